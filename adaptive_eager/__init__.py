@@ -1,0 +1,21 @@
+"""adaptive_eager: defer eager PyTorch ops into traces and replay them, keeping eager semantics.
+
+    import adaptive_eager
+    with adaptive_eager.adaptive_eager():
+        train_step()
+"""
+
+from adaptive_eager.api import (
+    EngineContext, adaptive_eager, clear_caches, disable, enable, is_enabled, metrics,
+    reset_metrics, sync,
+)
+from adaptive_eager.config import ConfigError
+from adaptive_eager.dispatch.lazy import LazyTensor, ValueUnavailable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "EngineContext", "LazyTensor", "ValueUnavailable", "adaptive_eager",
+    "clear_caches", "disable", "enable", "is_enabled", "metrics", "reset_metrics", "sync",
+    "__version__",
+]

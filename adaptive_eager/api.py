@@ -1,0 +1,127 @@
+"""Public entry points: the context manager, enable/disable, sync and metrics."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import TracebackType
+from typing import Any
+
+from adaptive_eager import config
+from adaptive_eager.cache.memory import META_CACHE, TRIE
+from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
+from adaptive_eager.engine import Engine
+from adaptive_eager.metrics import METRICS
+
+log = logging.getLogger("adaptive_eager")
+
+
+class _ThreadState(threading.local):
+    engine: Engine | None = None
+    modes: tuple[Any, ...] = ()
+    depth: int = 0
+    enabled_ctx: "EngineContext | None" = None
+
+
+_state = _ThreadState()
+
+
+class EngineContext:
+    """``with adaptive_eager(...):`` -- defer this thread's tensor ops while inside.
+
+    Nested and re-entered contexts share the outermost engine; leaving any of them is a sync point.
+    Other threads are unaffected (the modes live on this thread's mode stack).
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.options = config.resolve(options)  # validate now, at the user's line
+        self._entered: list[bool] = []
+
+    def __enter__(self) -> EngineContext:
+        st = _state
+        outer = st.engine is None
+        if outer:
+            logging.getLogger("adaptive_eager").setLevel(self.options.log_level)
+            engine = Engine(self.options)
+            modes = (ReadGuardMode(engine), DeferMode(engine))
+            for m in modes:
+                m.__enter__()
+            st.engine, st.modes = engine, modes
+        st.depth += 1
+        self._entered.append(outer)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        st = _state
+        outer = self._entered.pop()
+        engine = st.engine
+        try:
+            if engine is not None:
+                engine.flush("exit")  # eager would have run everything before the exception
+        except Exception as flush_err:
+            if exc is None:
+                raise
+            exc.add_note(f"adaptive_eager: flushing on exit also failed: {flush_err!r}")
+        finally:
+            st.depth -= 1
+            if outer:
+                for m in reversed(st.modes):
+                    m.__exit__(None, None, None)
+                st.engine, st.modes = None, ()
+
+
+def adaptive_eager(**options: Any) -> EngineContext:
+    """Context manager that runs the enclosed code under the engine.
+
+    >>> import torch, adaptive_eager
+    >>> with adaptive_eager.adaptive_eager():
+    ...     y = torch.ones(3) * 2
+    >>> y.tolist()
+    [2.0, 2.0, 2.0]
+    """
+    return EngineContext(**options)
+
+
+def enable(**options: Any) -> None:
+    """Switch the engine on for this thread until ``disable()`` (idempotent)."""
+    if _state.enabled_ctx is None:
+        ctx = EngineContext(**options)
+        ctx.__enter__()
+        _state.enabled_ctx = ctx
+
+
+def disable() -> None:
+    """Flush and switch off what ``enable()`` switched on (no-op if it is off)."""
+    ctx = _state.enabled_ctx
+    if ctx is not None:
+        _state.enabled_ctx = None
+        ctx.__exit__(None, None, None)
+
+
+def is_enabled() -> bool:
+    return _state.engine is not None
+
+
+def sync() -> None:
+    """Run every op this thread has deferred so far."""
+    if _state.engine is not None:
+        _state.engine.flush("sync")
+
+
+def metrics() -> dict[str, Any]:
+    """Counters since start or the last reset_metrics(), as a plain dict."""
+    out = METRICS.as_dict()
+    out["known_traces"] = TRIE.entries
+    out["metadata_cache_size"] = len(META_CACHE.table)
+    return out
+
+
+def reset_metrics() -> None:
+    METRICS.reset()
+
+
+def clear_caches() -> None:
+    """Forget every known trace and op metadata (tests use this to start cold)."""
+    TRIE.clear()
+    META_CACHE.clear()

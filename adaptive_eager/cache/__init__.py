@@ -1,0 +1,1 @@
+"""Trace caches: in memory (trie of traces, op metadata)."""

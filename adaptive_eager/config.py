@@ -1,0 +1,122 @@
+"""Every ``ADAPTIVE_EAGER_*`` setting, typed, defaulted and validated in one place.
+
+This module imports nothing else from adaptive_eager. Options reach the engine in two ways: keyword
+arguments of ``adaptive_eager.adaptive_eager(**options)`` / ``enable(**options)``, or environment
+variables (read when an engine starts, so tests can override them with ``monkeypatch.setenv`` or,
+better, with keyword arguments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting has a value the engine cannot use."""
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_pos_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a positive integer") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r}: expected a positive integer")
+    return value
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _parse_log_level(name: str, raw: str) -> str:
+    level = raw.strip().upper()
+    if level not in _LOG_LEVELS:
+        raise ConfigError(f"{name}={raw!r}: expected one of {', '.join(_LOG_LEVELS)}")
+    return level
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One option: its keyword name, environment variable, parser, default and meaning."""
+
+    name: str
+    env: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("max_trace_ops", "ADAPTIVE_EAGER_MAX_TRACE_OPS", _parse_pos_int, 4096,
+            "Longest trace before it is flushed (a sync point)."),
+    Setting("check", "ADAPTIVE_EAGER_CHECK", _parse_bool, False,
+            "Verify at replay that each real output has the shape/stride/dtype the lazy tensor "
+            "promised (debug aid; costs ~1 us per op)."),
+    Setting("log_level", "ADAPTIVE_EAGER_LOG_LEVEL", _parse_log_level, "WARNING",
+            "Level of the 'adaptive_eager' logger."),
+)
+
+# The on/off switch for unmodified scripts (read by the torch.backends entry point).
+ENABLE_ENV = "ADAPTIVE_EAGER"
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The resolved options of one engine."""
+
+    max_trace_ops: int = 4096
+    check: bool = False
+    log_level: str = "WARNING"
+
+
+def resolve(overrides: Mapping[str, Any] | None = None,
+            environ: Mapping[str, str] | None = None) -> Options:
+    """Options from the environment, then keyword overrides on top; bad values raise ConfigError."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        raw = env.get(s.env)
+        values[s.name] = s.default if raw is None else s.parse(s.env, raw)
+    for key, value in (overrides or {}).items():
+        setting = _BY_NAME.get(key)
+        if setting is None:
+            known = ", ".join(sorted(_BY_NAME))
+            raise TypeError(f"adaptive_eager: unknown option {key!r}; accepted options: {known}")
+        values[key] = _coerce(setting, value)
+    return Options(**values)
+
+
+def _coerce(setting: Setting, value: Any) -> Any:
+    """Validate a keyword option with the same rules as its environment variable."""
+    if isinstance(value, str):
+        return setting.parse(setting.name, value)
+    if isinstance(setting.default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"option {setting.name}={value!r}: expected True or False")
+        return value
+    if isinstance(setting.default, int):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"option {setting.name}={value!r}: expected a positive integer")
+        return value
+    return value
+
+
+def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
+    """True when ADAPTIVE_EAGER asks for the engine to switch on for the whole program."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENABLE_ENV)
+    return False if raw is None else _parse_bool(ENABLE_ENV, raw)

@@ -1,0 +1,1 @@
+"""Interception: the dispatch and function modes, lazy tensors, and per-op policy."""

@@ -1,0 +1,196 @@
+"""Lazy tensors: wrapper tensors whose metadata is known and whose value arrives at a flush.
+
+A ``LazyTensor`` is a ``_make_wrapper_subclass`` tensor: shape, stride, dtype and device are real
+(autograd, ``.shape``, ``is_contiguous()`` all work without running anything); the value lives in
+``_ae_real`` once the trace that produces it has run. Until then ``_ae_trace`` names that trace.
+Python-level reads of the data (print, numpy, tolist, data_ptr, pickling) are overridden here to
+flush first; reads through aten ops are deferred like any other op.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+_DisableDispatch = torch._C._DisableTorchDispatch
+_DisableFunction = torch._C.DisableTorchFunction
+
+
+class Meta:
+    """Interned tensor metadata: equal metadata is the same object with the same ``mid``."""
+
+    __slots__ = ("size", "stride", "offset", "dtype", "device", "mid", "key")
+
+    def __init__(self, key: tuple, mid: int) -> None:
+        self.key = key
+        self.size, self.stride, self.offset, self.dtype, self.device = key
+        self.mid = mid
+
+    def __repr__(self) -> str:
+        return (f"Meta(size={tuple(self.size)}, stride={self.stride}, offset={self.offset}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+
+_METAS: dict[tuple, Meta] = {}
+
+
+def intern_meta(size: Any, stride: tuple, offset: int, dtype: torch.dtype,
+                device: torch.device) -> Meta:
+    key = (tuple(size), tuple(stride), offset, dtype, device)
+    m = _METAS.get(key)
+    if m is None:
+        m = _METAS[key] = Meta(key, len(_METAS))
+    return m
+
+
+def meta_of(t: torch.Tensor) -> Meta:
+    """Metadata of a real tensor (call with torch-function modes off: these are tensor methods)."""
+    return intern_meta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+
+
+class ValueUnavailable(RuntimeError):
+    """A lazy tensor whose producing op failed when its trace ran."""
+
+
+class LazyTensor(torch.Tensor):
+    _ae_real: torch.Tensor | None
+    _ae_trace: Any
+    _ae_slot: int
+    _ae_meta: Meta
+    _ae_error: BaseException | None
+
+    # Subclass torch-function handling would add a Python call to every op; reads are overridden
+    # below instead, and the engine's TorchFunctionMode guards real tensors.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, meta: Meta, trace: Any, slot: int) -> LazyTensor:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, meta.size, meta.stride, meta.offset, None, meta.dtype, torch.strided,
+            meta.device, False, False)
+        t._ae_real = None
+        t._ae_trace = trace
+        t._ae_slot = slot
+        t._ae_meta = meta
+        t._ae_error = None
+        return t
+
+    def __init__(self, *args: Any) -> None:  # everything happens in __new__
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        # Reached only outside an engine (e.g. a lazy tensor kept after the context closed):
+        # run the op eagerly on the real values.
+        from adaptive_eager.dispatch.opspec import spec_for
+
+        kwargs = kwargs or {}
+        out = func(*resolve_all(args), **{k: resolve_all(v) for k, v in kwargs.items()})
+        return rebind_aliases(spec_for(func).ret_alias, args, out)
+
+    # ---- Python-level reads: flush, then read the real value ------------------------------
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return format_lazy(self)
+
+    def __format__(self, format_spec: str) -> str:
+        if format_spec and self.dim() == 0:
+            return materialize(self).item().__format__(format_spec)
+        return format_lazy(self)
+
+    def __reduce_ex__(self, proto: Any) -> Any:  # pickling and torch.save
+        return _with_grad(self).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return copy.deepcopy(_with_grad(self), memo)
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
+                               "Use tensor.detach().numpy() instead.")
+        return materialize(self).numpy(force=force)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:  # type: ignore[override]
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        return materialize(self).tolist()
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        return materialize(self).data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        return materialize(self).untyped_storage()
+
+    def storage(self) -> Any:  # type: ignore[override]
+        return materialize(self).storage()
+
+    def _typed_storage(self) -> Any:
+        return materialize(self)._typed_storage()
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return materialize(self).__dlpack__(*args, **kwargs)
+
+
+def materialize(t: LazyTensor) -> torch.Tensor:
+    """The real value of a lazy tensor, flushing its trace if it has not run yet."""
+    real = t._ae_real
+    if real is None:
+        if t._ae_error is not None:
+            raise ValueUnavailable(
+                "adaptive_eager: this tensor has no value because a deferred op before it "
+                f"failed when its trace ran: {t._ae_error!r}") from t._ae_error
+        t._ae_trace.engine.flush("read")
+        real = t._ae_real
+        if real is None:  # the flush failed for this tensor
+            return materialize(t)
+    return real
+
+
+def resolve(a: Any) -> Any:
+    """A lazy tensor's real value (flushing if needed); anything else unchanged."""
+    return materialize(a) if type(a) is LazyTensor else a
+
+
+def resolve_all(a: Any) -> Any:
+    t = type(a)
+    if t is LazyTensor:
+        return materialize(a)
+    if t is list or t is tuple:
+        return t(resolve_all(x) for x in a)
+    return a
+
+
+def rebind_aliases(ret_alias: tuple[int | None, ...], args: tuple, out: Any) -> Any:
+    """In-place ops must return the very tensor they were given, not its real stand-in."""
+    if not any(i is not None for i in ret_alias):
+        return out
+    if len(ret_alias) == 1:
+        return args[ret_alias[0]]  # type: ignore[index]
+    return tuple(o if i is None else args[i] for i, o in zip(ret_alias, out))
+
+
+def _with_grad(t: LazyTensor) -> torch.Tensor:
+    """A plain tensor with the lazy tensor's value and requires_grad, for pickling and copies."""
+    real = materialize(t).detach()
+    return real.requires_grad_(t.requires_grad) if t.requires_grad else real
+
+
+def format_lazy(t: LazyTensor) -> str:
+    """``repr`` as eager prints it: the real value, then eager's autograd suffix (trap 10)."""
+    real = materialize(t)
+    with _DisableDispatch(), _DisableFunction():
+        text = torch.Tensor.__repr__(real)
+    fn = t.grad_fn
+    if fn is not None:
+        name = type(fn).__name__
+        if name == "CppFunction":
+            name = fn.name().rsplit("::", 1)[-1]
+        suffix = f"grad_fn=<{name}>"
+    elif t.requires_grad:
+        suffix = "requires_grad=True"
+    else:
+        return text
+    return f"{text[:-1]}, {suffix})"

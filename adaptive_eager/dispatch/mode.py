@@ -1,0 +1,123 @@
+"""The two modes that intercept a program: aten ops below autograd, Python reads above them.
+
+``DeferMode`` (a TorchDispatchMode) sees every aten op, forward, backward and optimizer, and sends it
+down the path its policy names (dispatch/opspec.py). ``ReadGuardMode`` (a TorchFunctionMode) sees the
+Python-level calls that read a tensor's memory without reaching the dispatcher (print, numpy, tolist,
+data_ptr, storages, pickling, device moves, ``.data =``) and flushes first, so a real tensor with
+deferred in-place writes (an optimizer's parameters) is never read stale (DESIGN trap 12).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
+from adaptive_eager.dispatch.opspec import (
+    ALLOC, DEFER, INPLACE_VIEW, PASSTHROUGH, RANDOM, SPECS, SYNC, spec_for,
+)
+from adaptive_eager.engine import Engine, NeedRun, RunNow, is_user_error
+from adaptive_eager.metrics import METRICS as M
+from adaptive_eager.trace import Unsupported
+
+_DisableDispatch = torch._C._DisableTorchDispatch
+_T = torch.Tensor
+
+
+class DeferMode(TorchDispatchMode):
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        spec = SPECS.get(func)
+        if spec is None:
+            spec = spec_for(func)
+        M.ops_intercepted += 1
+        if kwargs is None:
+            kwargs = {}
+        eng = self.engine
+        policy = spec.policy
+        if policy == DEFER:
+            try:
+                return eng.record(func, spec, args, kwargs)
+            except NeedRun as miss:
+                M.meta_misses += 1
+                return eng.run_eager(func, spec, args, kwargs, f"new_op:{spec.name}", miss.key)
+            except RunNow as why:
+                return eng.run_fallback(func, spec, args, kwargs, f"sync({why})")
+            except Unsupported as why:
+                return eng.run_fallback(func, spec, args, kwargs, f"unsupported({why})")
+            except Exception as err:
+                if is_user_error(err):
+                    raise
+                reason = eng.engine_error(err, spec)
+                return eng.run_fallback(func, spec, args, kwargs, reason)
+        if policy == ALLOC or policy == PASSTHROUGH:
+            M.ops_eager += 1
+            with _DisableDispatch():  # metadata-only: wrappers can be passed as they are
+                return func(*args, **kwargs)
+        if policy == RANDOM:
+            return eng.run_random(func, spec, args, kwargs)
+        if policy == INPLACE_VIEW:
+            return eng.run_inplace_view(func, spec, args, kwargs)
+        return eng.run_fallback(func, spec, args, kwargs, "sync" if policy == SYNC else "fallback")
+
+
+_DATA_SET = _T.data.__set__
+_DEVICE_MOVES = {_T.cpu, _T.cuda, _T.to}
+_READS = {
+    _T.numpy, _T.tolist, _T.data_ptr, _T.untyped_storage, _T.storage, _T._typed_storage,
+    _T.__array__, _T.__repr__, _T.__format__, _T.__reduce_ex__, _T.__deepcopy__, _T.__dlpack__,
+    _T.cpu, _T.cuda, _T.to, _DATA_SET,
+}
+
+
+def _moves_device(args: tuple, kwargs: dict) -> bool:
+    """Whether a .to()/.cpu()/.cuda() call may change the tensor's device."""
+    src = args[0] if args else None
+    if not isinstance(src, _T):
+        return True
+    for a in (*args[1:], *kwargs.values()):
+        if isinstance(a, (str, int, torch.device)) and not isinstance(a, bool):
+            try:
+                if torch.device(a) != src.device:
+                    return True
+            except (RuntimeError, TypeError):
+                return True
+        elif isinstance(a, _T) and a.device != src.device:
+            return True
+    return False
+
+
+class ReadGuardMode(TorchFunctionMode):
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if kwargs is None:
+            kwargs = {}
+        if func in _READS:
+            return self._read(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _read(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func is _T.to and not _moves_device(args, kwargs):
+            return func(*args, **kwargs)
+        if (func is _T.cpu or func is _T.cuda) and args and not _moves_device(
+                args, {"device": "cpu" if func is _T.cpu else "cuda"}):
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "data_set")
+        self.engine.flush(f"read:{name}")
+        if func == _DATA_SET:
+            return func(args[0], resolve_all(args[1]))  # trap 2: never store a wrapper in .data
+        if any(type(a) is LazyTensor for a in args):
+            if func is _T.__repr__ or func is _T.__format__:
+                return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+            args = resolve_all(args)
+        with _DisableDispatch():
+            return func(*args, **kwargs)

@@ -1,0 +1,120 @@
+"""What the engine does with each aten op, decided once per op from its schema and tags.
+
+Note [op policy]
+DEFER        recorded into the trace; outputs are lazy tensors.
+ALLOC        empty/empty_like/...: only metadata is read, so they run at once (no flush) and give
+             real, uninitialised tensors; random in-place fills on them then need no flush (dropout).
+RANDOM       tagged nondeterministic_seeded: run at once, in program order, so the generator advances
+             exactly as in eager (DESIGN trap 11). A flush first only if an input is still pending.
+PASSTHROUGH  metadata-only or bookkeeping ops (profiler ranges, lift_fresh): run at once, no flush.
+INPLACE_VIEW t_/squeeze_/resize_/set_/as_strided_: change a tensor's metadata, which a wrapper cannot
+             follow lazily (trap 3): flush, run, then refresh the wrapper's sizes.
+SYNC         the result is a Python value or its shape depends on data (item, nonzero, equal): flush.
+FALLBACK     everything the engine does not model (out= variants, non-aten namespaces, storages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK = range(7)
+POLICY_NAMES = ("defer", "alloc", "random", "passthrough", "inplace_view", "sync", "fallback")
+
+_aten = torch.ops.aten
+
+_ALLOC_OPS = {
+    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
+}
+# Ops that return non-tensors but read only metadata, or that only tag a fresh tensor.
+_PASSTHROUGH_OPS = {
+    _aten.lift_fresh.default, _aten.is_same_size.default,
+    _aten._has_compatible_shallow_copy_type.default, _aten.sym_size.int, _aten.sym_stride.int,
+    _aten.sym_numel.default, _aten.sym_storage_offset.default, _aten.dim.default,
+    _aten.is_coalesced.default,
+}
+# Output shapes that follow from float arguments (scale factors) or Python numbers (ranges).
+_STRUCTURAL_NAMES = ("upsample", "_upsample", "arange", "range", "linspace", "logspace")
+_SCALAR_TYPES = {"number", "Optional[number]"}
+_TENSOR_RETURNS = {"Tensor", "List[Tensor]", "Optional[Tensor]"}
+
+
+class OpSpec:
+    """The per-op facts the hot path needs, computed once (see Note [op policy])."""
+
+    __slots__ = ("op", "name", "policy", "reason", "scalar_pos", "scalar_kw", "structural",
+                 "ret_alias", "bool_index")
+
+    def __init__(self, op: torch._ops.OpOverload) -> None:
+        self.op = op
+        self.name = str(op)
+        schema = op._schema
+        args = schema.arguments
+        self.scalar_pos = frozenset(
+            i for i, a in enumerate(args) if not a.kwarg_only and str(a.type) in _SCALAR_TYPES)
+        self.scalar_kw = frozenset(
+            a.name for a in args if a.kwarg_only and str(a.type) in _SCALAR_TYPES)
+        no_tensor_args = not any("Tensor" in str(a.type) for a in args)
+        base = op.__name__.split(".")[0]
+        self.structural = no_tensor_args or base.startswith(_STRUCTURAL_NAMES) or any(
+            "float[]" in str(a.type) or "List[float]" in str(a.type) for a in args)
+        self.ret_alias = _return_aliases(schema)
+        self.bool_index = op in (_aten.index.Tensor, _aten._unsafe_index.Tensor)
+        self.policy, self.reason = _classify(op, schema)
+
+
+def _return_aliases(schema: torch._C.FunctionSchema) -> tuple[int | None, ...]:
+    """For each return, the positional argument it writes to and returns (in-place ops)."""
+    writers: dict[frozenset[str], int] = {}
+    for i, a in enumerate(schema.arguments):
+        info = a.alias_info
+        if info is not None and info.is_write and not a.kwarg_only:
+            writers[frozenset(info.before_set)] = i
+    out: list[int | None] = []
+    for r in schema.returns:
+        info = r.alias_info
+        out.append(writers.get(frozenset(info.before_set)) if info is not None and info.is_write
+                   else None)
+    return tuple(out)
+
+
+def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tuple[int, str]:
+    ns = op.namespace
+    if ns == "profiler":
+        return PASSTHROUGH, "profiler range"  # trap 4: every optimizer step records these
+    if op in _PASSTHROUGH_OPS:
+        return PASSTHROUGH, "metadata only"
+    if ns != "aten":
+        return FALLBACK, f"non-aten op ({ns})"
+    if any(a.is_out for a in schema.arguments):
+        return FALLBACK, "out= variant (may resize its output)"
+    for a in schema.arguments:
+        t = str(a.type)
+        if "Storage" in t or "Stream" in t:
+            return FALLBACK, f"argument type {t}"
+    tags = op.tags
+    if torch.Tag.inplace_view in tags:
+        return INPLACE_VIEW, "changes a tensor's shape or strides in place"
+    if op in _ALLOC_OPS:
+        return ALLOC, "allocation"
+    if torch.Tag.nondeterministic_seeded in tags:
+        return RANDOM, "random"
+    if torch.Tag.data_dependent_output in tags:
+        return SYNC, "result depends on tensor values"
+    if torch.Tag.dynamic_output_shape in tags and op not in (_aten.index.Tensor,
+                                                                _aten._unsafe_index.Tensor):
+        return SYNC, "output shape depends on tensor values"
+    for r in schema.returns:
+        if str(r.type) not in _TENSOR_RETURNS:
+            return SYNC, f"returns {r.type}"
+    return DEFER, "deferred"
+
+
+SPECS: dict[torch._ops.OpOverload, OpSpec] = {}
+
+
+def spec_for(op: torch._ops.OpOverload) -> OpSpec:
+    spec = SPECS.get(op)
+    if spec is None:
+        spec = SPECS[op] = OpSpec(op)
+    return spec

@@ -1,0 +1,360 @@
+"""The per-thread engine: records deferred ops, flushes traces, runs what cannot be deferred.
+
+Stages, in the order an op meets them: ``record`` (key the op against the trace, take its output
+metadata from the trie or the metadata cache, hand out lazy outputs), ``flush`` (end the trace,
+note hit or miss, replay it), and ``run_eager`` (everything that must run now). The dispatch-mode
+glue lives in ``dispatch/mode.py``; the replay loop in ``execute.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
+from adaptive_eager.config import Options
+from adaptive_eager.dispatch.lazy import (
+    LazyTensor, Meta, ValueUnavailable, materialize, meta_of, rebind_aliases, resolve_all,
+)
+from adaptive_eager.dispatch.opspec import OpSpec
+from adaptive_eager.execute import replay
+from adaptive_eager.metrics import METRICS as M
+from adaptive_eager.trace import Trace, Unsupported
+
+log = logging.getLogger("adaptive_eager")
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_DisableDispatch = torch._C._DisableTorchDispatch
+_DisableFunction = torch._C.DisableTorchFunction
+_MAX_TRIE_ENTRIES = 100_000  # a program whose traces never repeat must not grow memory forever
+
+
+class NeedRun(Exception):
+    """Output metadata unknown for this (op, input metadata): run the op once for real."""
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+
+class RunNow(Exception):
+    """This call of a deferrable op must run eagerly (e.g. indexing with a boolean mask)."""
+
+
+def _mark_user(err: BaseException) -> None:
+    """Errors that come from the user's own values propagate; the engine never swallows them."""
+    try:
+        err._ae_user = True  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+
+
+def is_user_error(err: BaseException) -> bool:
+    return isinstance(err, ValueUnavailable) or getattr(err, "_ae_user", False)
+
+
+class Engine:
+    """One thread's recorder and executor."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.check = options.check
+        self.cap = options.max_trace_ops
+        self.lock = threading.RLock()
+        self.trace = Trace(self)
+        self._errors_logged: set[str] = set()
+
+    # ---- record (the hot path: one call per deferrable aten op) ----------------------------
+    def record(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        tr = self.trace
+        key: list[Any] = [op]
+        ap = key.append
+        lazy_args = False
+        sp = spec.scalar_pos
+        structural = spec.structural
+        i = 0
+        for a in args:
+            t = type(a)
+            if t is LazyTensor:
+                lazy_args = True
+                if a._ae_trace is tr and a._ae_real is None:
+                    ap(a._ae_slot)
+                else:
+                    ap(self._external(a, tr))
+            elif t is _Tensor or t is _Parameter:
+                ap(self._external(a, tr))
+            elif t is float or t is complex:
+                ap((t, a) if structural else t)
+            elif t is int or t is bool:
+                ap((t, a) if structural else (t if i in sp else a))
+            elif t is list or t is tuple:
+                k, lz = self._key_seq(a, tr, spec)
+                lazy_args = lazy_args or lz
+                ap(k)
+            elif isinstance(a, _Tensor):
+                raise Unsupported(f"tensor subclass {t.__name__}")
+            else:
+                ap(a)
+            i += 1
+        if kwargs:
+            for name, a in kwargs.items():
+                ap(name)
+                k, lz = self._key_kwarg(a, tr, spec, name in spec.scalar_kw)
+                lazy_args = lazy_args or lz
+                ap(k)
+        key_t = tuple(key)
+
+        node = tr.node
+        child = node.children.get(key_t) if node is not None else None
+        if child is not None:
+            tr.node = child
+            out_spec = child.out
+        else:
+            if node is not None:
+                tr.leave_trie()
+            out_spec = self._metadata(op, spec, args, kwargs)
+            tr.off_keys.append(key_t)
+            tr.off_outs.append(out_spec)
+        out = self._outputs(out_spec, args, tr)
+        tr.ops.append((op, args, kwargs, out, lazy_args))
+        M.ops_deferred += 1
+        if len(tr.ops) >= self.cap:
+            self.flush("trace_cap")
+        return out
+
+    def _external(self, a: torch.Tensor, tr: Trace) -> Any:
+        if type(a) is LazyTensor and a._ae_real is None:
+            try:
+                materialize(a)  # pending in another engine's trace, or poisoned
+            except BaseException as err:
+                _mark_user(err)
+                raise
+        idx = tr.ext_ids.get(id(a))
+        if idx is not None:
+            return ~idx
+        return tr.register(a)
+
+    def _key_seq(self, seq: list | tuple, tr: Trace, spec: OpSpec) -> tuple[tuple, bool]:
+        out: list[Any] = []
+        lazy = False
+        for a in seq:
+            t = type(a)
+            if t is LazyTensor:
+                lazy = True
+                if spec.bool_index and a.dtype in (torch.bool, torch.uint8):
+                    raise RunNow("boolean-mask index (output shape depends on values)")
+                out.append(a._ae_slot if a._ae_trace is tr and a._ae_real is None
+                           else self._external(a, tr))
+            elif isinstance(a, _Tensor):
+                if spec.bool_index and a.dtype in (torch.bool, torch.uint8):
+                    raise RunNow("boolean-mask index (output shape depends on values)")
+                if t is not _Tensor and t is not _Parameter:
+                    raise Unsupported(f"tensor subclass {t.__name__}")
+                out.append(self._external(a, tr))
+            elif t is float or t is complex or t is int or t is bool:
+                out.append((t, a))
+            else:
+                out.append(a)
+        return tuple(out), lazy
+
+    def _key_kwarg(self, a: Any, tr: Trace, spec: OpSpec, scalar: bool) -> tuple[Any, bool]:
+        t = type(a)
+        if t is LazyTensor:
+            if a._ae_trace is tr and a._ae_real is None:
+                return a._ae_slot, True
+            return self._external(a, tr), True
+        if isinstance(a, _Tensor):
+            if t is not _Tensor and t is not _Parameter:
+                raise Unsupported(f"tensor subclass {t.__name__}")
+            return self._external(a, tr), False
+        if t is float or t is complex or t is int or t is bool:
+            if spec.structural:
+                return (t, a), False
+            return (t if scalar or t is float or t is complex else a), False
+        if t is list or t is tuple:
+            return self._key_seq(a, tr, spec)
+        return a, False
+
+    def _metadata(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        """Output metadata off the trie: from the metadata cache, or NeedRun (run it for real)."""
+        mkey = (torch.get_default_dtype(), op, _meta_key(args, spec),
+                _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
+        out = META_CACHE.get(mkey)
+        if out is None:
+            raise NeedRun(mkey)
+        return out
+
+    def _outputs(self, spec: Any, args: tuple, tr: Trace) -> Any:
+        t = type(spec)
+        if t is Meta:
+            slot = tr.n_slots
+            tr.n_slots = slot + 1
+            return LazyTensor(spec, tr, slot)
+        if t is int:
+            return args[spec]
+        if spec is None:
+            return None
+        return t(self._outputs(s, args, tr) for s in spec)
+
+    # ---- flush ------------------------------------------------------------------------------
+    def flush(self, reason: str) -> None:
+        """Run the pending trace (a sync point). Cheap when nothing is pending."""
+        tr = self.trace
+        if not tr.ops:
+            if tr.ext or tr.node is not tr.start:
+                self.trace = Trace(self)
+            return
+        with self.lock:
+            self.trace = Trace(self)
+            M.flushes += 1
+            M.flush_reasons[reason] += 1
+            self._finish(tr)
+            try:
+                replay(tr, self.check)
+            except BaseException as err:
+                M.replay_errors += 1
+                _mark_user(err)
+                raise
+
+    def _finish(self, tr: Trace) -> TraceEntry:
+        """Note the trace in the trie: a hit if it ended where a known trace ended."""
+        node = tr.node
+        if node is None:
+            node = tr.off_node
+            assert node is not None
+            for key, out in zip(tr.off_keys, tr.off_outs):
+                node = node.child(key, out)
+        entry = node.entry
+        if entry is not None and tr.node is not None:
+            M.trace_hits += 1
+        else:
+            M.trace_misses += 1
+            if entry is None:
+                if TRIE.entries >= _MAX_TRIE_ENTRIES:
+                    log.warning("adaptive_eager: %d distinct traces seen; clearing the trace trie",
+                                TRIE.entries)
+                    TRIE.clear()
+                entry = node.entry = TraceEntry(node, len(tr.ops))
+                TRIE.entries += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("trace miss %s: %d ops", entry.digest[:12], len(tr.ops))
+        entry.runs += 1
+        return entry
+
+    # ---- ops that run now -------------------------------------------------------------------
+    def run_eager(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict, reason: str,
+                  learn: tuple | None = None) -> Any:
+        """Flush, then run the op on real values; with ``learn``, remember its output metadata."""
+        self.flush(reason)
+        M.ops_eager += 1
+        rargs = resolve_all(args)
+        rkwargs = {k: resolve_all(v) for k, v in kwargs.items()} if kwargs else {}
+        with _DisableFunction():
+            out = op(*rargs, **rkwargs)
+            if learn is not None:
+                META_CACHE.put(learn, _out_spec(out, spec.ret_alias))
+        return rebind_aliases(spec.ret_alias, args, out)
+
+    def run_fallback(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict, why: str) -> Any:
+        M.fallbacks += 1
+        M.fallback_ops[spec.name] += 1
+        return self.run_eager(op, spec, args, kwargs, f"{why}:{spec.name}")
+
+    def run_random(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        """Random ops run in program order so the generator advances exactly as in eager."""
+        if self.trace.ops and self._touches_trace(args, kwargs):
+            self.flush(f"random_input:{spec.name}")
+        M.ops_eager += 1
+        rargs = resolve_all(args)
+        rkwargs = {k: resolve_all(v) for k, v in kwargs.items()} if kwargs else {}
+        with _DisableFunction():
+            out = op(*rargs, **rkwargs)
+        return rebind_aliases(spec.ret_alias, args, out)
+
+    def _touches_trace(self, args: tuple, kwargs: dict) -> bool:
+        tr = self.trace
+        for a in (*args, *kwargs.values()):
+            items = a if type(a) is list or type(a) is tuple else (a,)
+            for x in items:
+                if type(x) is LazyTensor:
+                    if x._ae_real is None or tr.touches_storage(x._ae_real):
+                        return True
+                elif isinstance(x, _Tensor) and tr.touches_storage(x):
+                    return True
+        return False
+
+    def run_inplace_view(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        """Metadata-changing in-place ops: run for real, then make the wrapper follow (trap 3)."""
+        out = self.run_fallback(op, spec, args, kwargs, "inplace_view")
+        target = args[0]
+        if type(target) is LazyTensor:
+            _refresh_wrapper(target, spec)
+        return out
+
+    def engine_error(self, err: BaseException, spec: OpSpec) -> str:
+        """Count an internal fault, log it once per kind, and name the fallback reason."""
+        kind = f"{type(err).__name__} in {spec.name}"
+        M.engine_errors += 1
+        M.engine_error_kinds[kind] += 1
+        if kind not in self._errors_logged:
+            self._errors_logged.add(kind)
+            log.warning("adaptive_eager: internal error (%s: %s); running %s eagerly",
+                        type(err).__name__, err, spec.name, exc_info=log.isEnabledFor(logging.DEBUG))
+        return "engine_error"
+
+
+def _meta_key(items: tuple, spec: OpSpec) -> tuple:
+    """Like the trace key, but with every tensor as its metadata id (see cache/memory.py)."""
+    out: list[Any] = []
+    with _DisableFunction():
+        for a in items:
+            t = type(a)
+            if t is LazyTensor:
+                out.append(a._ae_meta.mid)
+            elif isinstance(a, _Tensor):
+                out.append(meta_of(a).mid)
+            elif t is list or t is tuple:
+                out.append(_meta_key(tuple(a), spec))
+            elif t is float or t is complex or t is int or t is bool:
+                out.append((t, a) if spec.structural or t is int or t is bool else t)
+            else:
+                out.append(a)
+    return tuple(out)
+
+
+def _out_spec(out: Any, ret_alias: tuple[int | None, ...]) -> Any:
+    if isinstance(out, _Tensor):
+        alias = ret_alias[0] if ret_alias else None
+        return alias if alias is not None else meta_of(out)
+    if type(out) is tuple:
+        return tuple(i if i is not None else _spec_of(o)
+                     for i, o in zip(ret_alias or (None,) * len(out), out))
+    return _spec_of(out)
+
+
+def _spec_of(out: Any) -> Any:
+    if isinstance(out, _Tensor):
+        return meta_of(out)
+    if out is None:
+        return None
+    if type(out) is list or type(out) is tuple:
+        return type(out)(_spec_of(o) for o in out)
+    raise Unsupported(f"op returned {type(out).__name__}")
+
+
+def _refresh_wrapper(w: LazyTensor, spec: OpSpec) -> None:
+    real = w._ae_real
+    assert real is not None
+    with _DisableDispatch(), _DisableFunction():
+        meta = meta_of(real)
+        try:
+            torch.ops.aten.as_strided_.default(w, meta.size, meta.stride, meta.offset)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"adaptive_eager: {spec.name} grew a tensor made under the engine beyond the "
+                "memory it was created with; call adaptive_eager.sync() and make the tensor "
+                "outside the engine, or resize a new tensor instead") from err
+    w._ae_meta = meta

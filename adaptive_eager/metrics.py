@@ -1,0 +1,42 @@
+"""Process-wide counters. Plain attributes so the per-op increments stay cheap."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+
+class Metrics:
+    __slots__ = (
+        "ops_intercepted", "ops_deferred", "ops_eager", "flushes", "trace_hits", "trace_misses",
+        "fallbacks", "meta_misses", "engine_errors", "replay_errors", "flush_reasons",
+        "fallback_ops", "engine_error_kinds",
+    )
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.ops_intercepted = 0  # every aten op the dispatch mode saw
+        self.ops_deferred = 0  # recorded into a trace instead of running
+        self.ops_eager = 0  # ran at once (allocations, random ops, sync points, fallbacks)
+        self.flushes = 0  # traces executed
+        self.trace_hits = 0  # an executed trace matched one seen before
+        self.trace_misses = 0  # an executed trace was new
+        self.fallbacks = 0  # ops that could not be deferred and ran eagerly after a flush
+        self.meta_misses = 0  # first sight of (op, input metadata): ran eagerly to learn outputs
+        self.engine_errors = 0  # internal faults answered by falling back to eager
+        self.replay_errors = 0  # deferred ops that raised when their trace ran
+        self.flush_reasons: Counter[str] = Counter()
+        self.fallback_ops: Counter[str] = Counter()
+        self.engine_error_kinds: Counter[str] = Counter()
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.__slots__:
+            value = getattr(self, name)
+            out[name] = dict(value) if isinstance(value, Counter) else value
+        return out
+
+
+METRICS = Metrics()

@@ -1,0 +1,76 @@
+"""A trace: the ops deferred since the last flush, over numbered slots and external tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from adaptive_eager.cache.memory import TRIE, TrieNode
+from adaptive_eager.dispatch.lazy import LazyTensor, meta_of
+
+_DisableFunction = torch._C.DisableTorchFunction
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.parameter.Buffer)
+
+
+class Unsupported(Exception):
+    """An op input the engine does not model; the op runs eagerly instead."""
+
+
+class Trace:
+    """Append-only list of deferred ops.
+
+    ``ops`` holds ``(op, args, kwargs, outputs)`` as the user's code passed them: replay swaps each
+    lazy tensor for its real value as it goes. ``ext`` are the tensors that come from outside the
+    trace (parameters, inputs, values of earlier traces), numbered by first use; ``groups`` maps a
+    storage address to the index of its alias group, so aliasing between inputs is part of the key.
+    """
+
+    __slots__ = ("engine", "ops", "ext", "ext_ids", "groups", "n_slots", "node", "start",
+                 "off_keys", "off_outs", "off_node")
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.ops: list[tuple] = []
+        self.ext: list[torch.Tensor] = []
+        self.ext_ids: dict[int, int] = {}
+        self.groups: dict[int, int] = {}
+        self.n_slots = 0
+        self.start: TrieNode = TRIE.root(torch.get_default_dtype())
+        self.node: TrieNode | None = self.start  # None once the trace leaves the trie
+        self.off_node: TrieNode | None = None  # last trie node before it left
+        self.off_keys: list[tuple] = []
+        self.off_outs: list[Any] = []
+
+    def register(self, t: torch.Tensor) -> tuple:
+        """Number a tensor from outside the trace; return its key part ('x', meta id, group)."""
+        with _DisableFunction():
+            if type(t) is LazyTensor:
+                meta = t._ae_meta
+                real = t._ae_real
+            else:
+                if type(t) not in _PLAIN:
+                    raise Unsupported(f"tensor subclass {type(t).__name__}")
+                if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+                    raise Unsupported(f"{t.layout} tensor")
+                if t.device.type == "meta":
+                    raise Unsupported("meta tensor")
+                meta = meta_of(t)
+                real = t
+            addr = real.untyped_storage().data_ptr()  # type: ignore[union-attr]
+        group = self.groups.setdefault(addr, len(self.groups))
+        self.ext_ids[id(t)] = len(self.ext)
+        self.ext.append(t)
+        return ("x", meta.mid, group)
+
+    def touches_storage(self, t: torch.Tensor) -> bool:
+        """Whether a real tensor shares storage with an input of this trace (pending writes)."""
+        with _DisableFunction():
+            return t.untyped_storage().data_ptr() in self.groups
+
+    def leave_trie(self) -> None:
+        self.off_node = self.node
+        self.node = None
+
+    def __len__(self) -> int:
+        return len(self.ops)
