@@ -30,6 +30,7 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _DisableDispatch = torch._C._DisableTorchDispatch
 _DisableFunction = torch._C.DisableTorchFunction
+_MISSING = object()
 _MAX_TRIE_ENTRIES = 100_000  # a program whose traces never repeat must not grow memory forever
 
 
@@ -154,8 +155,10 @@ class Engine:
                 if t is not _Tensor and t is not _Parameter:
                     raise Unsupported(f"tensor subclass {t.__name__}")
                 out.append(self._external(a, tr))
-            elif t is float or t is complex or t is int or t is bool:
-                out.append((t, a))
+            elif t is float or t is complex:
+                out.append((t, a) if spec.structural else t)  # ScalarList: values vary
+            elif t is int or t is bool:
+                out.append((t, a))  # sizes and dims
             else:
                 out.append(a)
         return tuple(out), lazy
@@ -182,8 +185,8 @@ class Engine:
         """Output metadata off the trie: from the metadata cache, or NeedRun (run it for real)."""
         mkey = (torch.get_default_dtype(), op, _meta_key(args, spec),
                 _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
-        out = META_CACHE.get(mkey)
-        if out is None:
+        out = META_CACHE.get(mkey, _MISSING)
+        if out is _MISSING:
             raise NeedRun(mkey)
         return out
 

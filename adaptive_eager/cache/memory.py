@@ -93,8 +93,8 @@ class MetaCache:
     def __init__(self) -> None:
         self.table: dict[tuple, OutSpec] = {}
 
-    def get(self, key: tuple) -> OutSpec | None:
-        return self.table.get(key)
+    def get(self, key: tuple, default: Any = None) -> OutSpec:
+        return self.table.get(key, default)
 
     def put(self, key: tuple, out: OutSpec) -> None:
         self.table[key] = out

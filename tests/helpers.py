@@ -1,0 +1,48 @@
+"""Run the same function in plain eager and under the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import adaptive_eager as ae
+
+
+def eager_and_engine(fn: Callable[[], Any], **options: Any) -> tuple[Any, Any]:
+    """Call ``fn`` twice: once in plain eager, once under the engine (after a reseed each time)."""
+    torch.manual_seed(1234)
+    expected = fn()
+    torch.manual_seed(1234)
+    with ae.adaptive_eager(check=True, **options):
+        got = fn()
+    return expected, got
+
+
+def to_plain(x: Any) -> Any:
+    """Detach tensors (materializing lazy ones) so results can be compared after the context."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_plain(v) for v in x)
+    if isinstance(x, dict):
+        return {k: to_plain(v) for k, v in x.items()}
+    return x
+
+
+def assert_equal_tree(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+        assert torch.equal(a, b), (a, b)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_equal_tree(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_equal_tree(a[k], b[k])
+    else:
+        assert a == b, (a, b)
