@@ -9,6 +9,7 @@ from typing import Any
 
 from adaptive_eager import config
 from adaptive_eager.cache.memory import META_CACHE, TRIE
+from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.engine import Engine
 from adaptive_eager.metrics import METRICS
@@ -42,6 +43,7 @@ class EngineContext:
         outer = st.engine is None
         if outer:
             logging.getLogger("adaptive_eager").setLevel(self.options.log_level)
+            install_parameter_patch()
             engine = Engine(self.options)
             modes = (ReadGuardMode(engine), DeferMode(engine))
             for m in modes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -20,9 +21,9 @@ from adaptive_eager.dispatch.lazy import (
     LazyTensor, Meta, ValueUnavailable, materialize, meta_of, rebind_aliases, resolve_all,
 )
 from adaptive_eager.dispatch.opspec import OpSpec
-from adaptive_eager.execute import replay
+from adaptive_eager.execute import live_slots, poison, publish, replay
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import Trace, Unsupported
+from adaptive_eager.trace import SLOTS, Trace, Unsupported, slot_marker
 
 log = logging.getLogger("adaptive_eager")
 
@@ -30,6 +31,7 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _DisableDispatch = torch._C._DisableTorchDispatch
 _DisableFunction = torch._C.DisableTorchFunction
+_weakref = weakref.ref
 _MISSING = object()
 _MAX_TRIE_ENTRIES = 100_000  # a program whose traces never repeat must not grow memory forever
 
@@ -70,42 +72,60 @@ class Engine:
 
     # ---- record (the hot path: one call per deferrable aten op) ----------------------------
     def record(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        """Defer one op: key it, find its output metadata, hand out lazy outputs.
+
+        The trace keeps ``margs``: the arguments with each pending lazy input replaced by its
+        ``Slot`` marker, so the trace never holds the user's lazy tensors (liveness is read from
+        weak references at flush). Python numbers keyed by type only are collected, in order, in
+        ``trace.scalars``: they are the per-run inputs of a compiled program.
+        """
         tr = self.trace
         key: list[Any] = [op]
         ap = key.append
-        lazy_args = False
+        margs: list[Any] = []
+        mp = margs.append
         sp = spec.scalar_pos
         structural = spec.structural
+        n_op = len(tr.ops)
         i = 0
         for a in args:
             t = type(a)
             if t is LazyTensor:
-                lazy_args = True
                 if a._ae_trace is tr and a._ae_real is None:
-                    ap(a._ae_slot)
-                else:
-                    ap(self._external(a, tr))
+                    s = a._ae_slot
+                    ap(s)
+                    mp(SLOTS[s])
+                    tr.last[s] = n_op
+                    i += 1
+                    continue
+                ap(self._external(a, tr))
             elif t is _Tensor or t is _Parameter:
                 ap(self._external(a, tr))
             elif t is float or t is complex:
-                ap((t, a) if structural else t)
+                if structural:
+                    ap((t, a))
+                else:
+                    ap(t)
+                    tr.scalars.append(a)
             elif t is int or t is bool:
-                ap((t, a) if structural else (t if i in sp else a))
+                if structural:
+                    ap((t, a))
+                elif i in sp:
+                    ap(t)
+                    tr.scalars.append(a)
+                else:
+                    ap(a)
             elif t is list or t is tuple:
-                k, lz = self._key_seq(a, tr, spec)
-                lazy_args = lazy_args or lz
+                k, a = self._key_seq(a, tr, spec, n_op)
                 ap(k)
             elif isinstance(a, _Tensor):
                 raise Unsupported(f"tensor subclass {t.__name__}")
             else:
                 ap(a)
+            mp(a)
             i += 1
         if kwargs:
-            for name, a in kwargs.items():
-                ap(name)
-                k, lz = self._key_kwarg(a, tr, spec, name in spec.scalar_kw)
-                lazy_args = lazy_args or lz
-                ap(k)
+            kwargs = self._key_kwargs(kwargs, key, tr, spec, n_op)
         key_t = tuple(key)
 
         node = tr.node
@@ -119,10 +139,10 @@ class Engine:
             out_spec = self._metadata(op, spec, args, kwargs)
             tr.off_keys.append(key_t)
             tr.off_outs.append(out_spec)
-        out = self._outputs(out_spec, args, tr)
-        tr.ops.append((op, args, kwargs, out, lazy_args))
+        out, slots = _outputs(out_spec, args, tr)
+        tr.ops.append((op, tuple(margs), kwargs, slots))
         M.ops_deferred += 1
-        if len(tr.ops) >= self.cap:
+        if n_op + 1 >= self.cap:
             self.flush("trace_cap")
         return out
 
@@ -138,48 +158,74 @@ class Engine:
             return ~idx
         return tr.register(a)
 
-    def _key_seq(self, seq: list | tuple, tr: Trace, spec: OpSpec) -> tuple[tuple, bool]:
-        out: list[Any] = []
-        lazy = False
-        for a in seq:
+    def _key_seq(self, seq: list | tuple, tr: Trace, spec: OpSpec, n_op: int
+                 ) -> tuple[tuple, list | tuple]:
+        """Key a list argument (tensors, sizes, ScalarList); return it with Slot markers."""
+        key: list[Any] = []
+        marked: list[Any] | None = None
+        for j, a in enumerate(seq):
             t = type(a)
-            if t is LazyTensor:
-                lazy = True
+            if isinstance(a, _Tensor):
                 if spec.bool_index and a.dtype in (torch.bool, torch.uint8):
                     raise RunNow("boolean-mask index (output shape depends on values)")
-                out.append(a._ae_slot if a._ae_trace is tr and a._ae_real is None
-                           else self._external(a, tr))
-            elif isinstance(a, _Tensor):
-                if spec.bool_index and a.dtype in (torch.bool, torch.uint8):
-                    raise RunNow("boolean-mask index (output shape depends on values)")
-                if t is not _Tensor and t is not _Parameter:
+                if t is LazyTensor and a._ae_trace is tr and a._ae_real is None:
+                    s = a._ae_slot
+                    key.append(s)
+                    tr.last[s] = n_op
+                    if marked is None:
+                        marked = list(seq)
+                    marked[j] = SLOTS[s]
+                    continue
+                if t is not LazyTensor and t is not _Tensor and t is not _Parameter:
                     raise Unsupported(f"tensor subclass {t.__name__}")
-                out.append(self._external(a, tr))
+                key.append(self._external(a, tr))
             elif t is float or t is complex:
-                out.append((t, a) if spec.structural else t)  # ScalarList: values vary
+                if spec.structural:
+                    key.append((t, a))
+                else:
+                    key.append(t)  # ScalarList: values vary per run
+                    tr.scalars.append(a)
             elif t is int or t is bool:
-                out.append((t, a))  # sizes and dims
+                key.append((t, a))  # sizes and dims
             else:
-                out.append(a)
-        return tuple(out), lazy
+                key.append(a)
+        return tuple(key), (seq if marked is None else type(seq)(marked))
 
-    def _key_kwarg(self, a: Any, tr: Trace, spec: OpSpec, scalar: bool) -> tuple[Any, bool]:
-        t = type(a)
-        if t is LazyTensor:
-            if a._ae_trace is tr and a._ae_real is None:
-                return a._ae_slot, True
-            return self._external(a, tr), True
-        if isinstance(a, _Tensor):
-            if t is not _Tensor and t is not _Parameter:
-                raise Unsupported(f"tensor subclass {t.__name__}")
-            return self._external(a, tr), False
-        if t is float or t is complex or t is int or t is bool:
-            if spec.structural:
-                return (t, a), False
-            return (t if scalar or t is float or t is complex else a), False
-        if t is list or t is tuple:
-            return self._key_seq(a, tr, spec)
-        return a, False
+    def _key_kwargs(self, kwargs: dict, key: list, tr: Trace, spec: OpSpec, n_op: int) -> dict:
+        marked: dict | None = None
+        for name, a in kwargs.items():
+            key.append(name)
+            t = type(a)
+            if isinstance(a, _Tensor):
+                if t is LazyTensor and a._ae_trace is tr and a._ae_real is None:
+                    s = a._ae_slot
+                    key.append(s)
+                    tr.last[s] = n_op
+                    if marked is None:
+                        marked = dict(kwargs)
+                    marked[name] = SLOTS[s]
+                    continue
+                if t is not LazyTensor and t is not _Tensor and t is not _Parameter:
+                    raise Unsupported(f"tensor subclass {t.__name__}")
+                key.append(self._external(a, tr))
+            elif t is float or t is complex or t is int or t is bool:
+                if spec.structural:
+                    key.append((t, a))
+                elif t is float or t is complex or name in spec.scalar_kw:
+                    key.append(t)
+                    tr.scalars.append(a)
+                else:
+                    key.append(a)
+            elif t is list or t is tuple:
+                k, m = self._key_seq(a, tr, spec, n_op)
+                key.append(k)
+                if m is not a:
+                    if marked is None:
+                        marked = dict(kwargs)
+                    marked[name] = m
+            else:
+                key.append(a)
+        return kwargs if marked is None else marked
 
     def _metadata(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
         """Output metadata off the trie: from the metadata cache, or NeedRun (run it for real)."""
@@ -189,18 +235,6 @@ class Engine:
         if out is _MISSING:
             raise NeedRun(mkey)
         return out
-
-    def _outputs(self, spec: Any, args: tuple, tr: Trace) -> Any:
-        t = type(spec)
-        if t is Meta:
-            slot = tr.n_slots
-            tr.n_slots = slot + 1
-            return LazyTensor(spec, tr, slot)
-        if t is int:
-            return args[spec]
-        if spec is None:
-            return None
-        return t(self._outputs(s, args, tr) for s in spec)
 
     # ---- flush ------------------------------------------------------------------------------
     def flush(self, reason: str) -> None:
@@ -215,12 +249,18 @@ class Engine:
             M.flushes += 1
             M.flush_reasons[reason] += 1
             self._finish(tr)
+            live = live_slots(tr)
             try:
-                replay(tr, self.check)
+                env = replay(tr, live, self.check)
+                publish(tr, env, self.check)
             except BaseException as err:
                 M.replay_errors += 1
+                poison(tr, err)
                 _mark_user(err)
                 raise
+            finally:
+                tr.ops.clear()
+                tr.ext.clear()
 
     def _finish(self, tr: Trace) -> TraceEntry:
         """Note the trace in the trie: a hit if it ended where a known trace ended."""
@@ -307,6 +347,26 @@ class Engine:
             log.warning("adaptive_eager: internal error (%s: %s); running %s eagerly",
                         type(err).__name__, err, spec.name, exc_info=log.isEnabledFor(logging.DEBUG))
         return "engine_error"
+
+
+def _outputs(spec: Any, args: tuple, tr: Trace) -> tuple[Any, Any]:
+    """Make the lazy outputs an op's metadata calls for; return them and their slot numbers."""
+    t = type(spec)
+    if t is Meta:
+        s = tr.n_slots
+        tr.n_slots = s + 1
+        if s >= len(SLOTS):
+            slot_marker(s)
+        w = LazyTensor(spec, tr, s)
+        tr.refs.append(_weakref(w))
+        tr.last.append(-1)
+        return w, s
+    if t is int:
+        return args[spec], None  # an in-place op returns its argument
+    if spec is None:
+        return None, None
+    pairs = [_outputs(x, args, tr) for x in spec]
+    return t(p[0] for p in pairs), t(p[1] for p in pairs)
 
 
 def _meta_key(items: tuple, spec: OpSpec) -> tuple:

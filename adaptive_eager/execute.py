@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from adaptive_eager.dispatch.lazy import LazyTensor, meta_of
-from adaptive_eager.trace import Trace
+from adaptive_eager.trace import Slot, Trace
 
 
 class MetadataMismatch(AssertionError):
@@ -34,72 +34,79 @@ class ReplayGuard:
             g.__exit__(*exc)
 
 
-def _real(a: Any) -> Any:
+def _real(a: Any, env: list) -> Any:
     t = type(a)
+    if t is Slot:
+        return env[a.i]
     if t is LazyTensor:
-        r = a._ae_real
-        if r is None:
-            raise RuntimeError(f"adaptive_eager: internal error: slot {a._ae_slot} used before set")
-        return r
+        return a._ae_real
     if t is list or t is tuple:
-        return t(_real(x) for x in a)
+        return t(_real(x, env) for x in a)
     return a
 
 
-def _bind(out: Any, res: Any, check: bool) -> None:
-    t = type(out)
-    if t is LazyTensor:
-        if out._ae_real is None:
-            if check:
-                _check(out, res)
-            out._ae_real = res
-    elif t is tuple or t is list:
-        for o, r in zip(out, res):
-            _bind(o, r, check)
+def _store(slots: Any, res: Any, env: list) -> None:
+    if type(slots) is int:
+        env[slots] = res
+    elif slots is not None:
+        for s, r in zip(slots, res):
+            if s is not None:
+                _store(s, r, env)
 
 
-def _check(lazy: LazyTensor, real: torch.Tensor) -> None:
-    got = meta_of(real)
-    if got is not lazy._ae_meta:
-        raise MetadataMismatch(f"adaptive_eager: replay produced {got}, the lazy tensor said "
-                               f"{lazy._ae_meta}")
+def live_slots(trace: Trace) -> list[int]:
+    """Slots whose lazy tensor is still referenced (by the user or by autograd)."""
+    return [s for s, ref in enumerate(trace.refs) if ref() is not None]
 
 
-def _poison(out: Any, err: BaseException) -> None:
-    t = type(out)
-    if t is LazyTensor:
-        if out._ae_real is None:
-            out._ae_error = err
-    elif t is tuple or t is list:
-        for o in out:
-            _poison(o, err)
+def _release_plan(trace: Trace, live: list[int]) -> dict[int, list[int]]:
+    """For dead slots: after which op their value can be dropped (eager would have freed it)."""
+    alive = set(live)
+    plan: dict[int, list[int]] = {}
+    for s, last in enumerate(trace.last):
+        if s not in alive:
+            plan.setdefault(last, []).append(s)
+    return plan
 
 
-def replay(trace: Trace, check: bool) -> None:
-    """Execute every op of ``trace`` in order; on an error, poison what was not computed."""
+def replay(trace: Trace, live: list[int], check: bool) -> list:
+    """Execute every op of ``trace`` in order; return the env of real values by slot."""
     ops = trace.ops
-    n = len(ops)
+    env: list[Any] = [None] * trace.n_slots
+    plan = _release_plan(trace, live)
     i = 0
     with ReplayGuard():
         try:
-            while i < n:
-                op, args, kwargs, out, lazy_args = ops[i]
-                ops[i] = None  # type: ignore[call-overload]  # let dead intermediates go early
-                if lazy_args:
-                    res = op(*_real(args), **{k: _real(v) for k, v in kwargs.items()})
-                else:
-                    res = op(*args, **kwargs)
-                if out is not None:
-                    _bind(out, res, check)
-                i += 1
+            for i, (op, args, kwargs, slots) in enumerate(ops):
+                res = op(*_real(args, env), **{k: _real(v, env) for k, v in kwargs.items()})
+                _store(slots, res, env)
+                drop = plan.get(i)
+                if drop is not None:
+                    for s in drop:
+                        env[s] = None
         except BaseException as err:
-            _poison(out, err)
-            for rec in ops[i + 1:]:
-                _poison(rec[3], err)
-            err.add_note(f"adaptive_eager: raised by deferred op {op} (op {i} of a trace of {n}) "
-                         "when the trace ran; run with adaptive_eager disabled to see the line "
-                         "that recorded it")
+            err.add_note(f"adaptive_eager: raised by deferred op {ops[i][0]} (op {i} of a trace of "
+                         f"{len(ops)}) when the trace ran; run with adaptive_eager disabled to see "
+                         "the line that recorded it")
             raise
-        finally:
-            ops.clear()
-            trace.ext.clear()
+    return env
+
+
+def publish(trace: Trace, env: list, check: bool) -> None:
+    """Give each live lazy tensor its real value."""
+    for s, ref in enumerate(trace.refs):
+        w = ref()
+        if w is not None and w._ae_real is None:
+            real = env[s]
+            if check and meta_of(real) is not w._ae_meta:
+                raise MetadataMismatch(f"adaptive_eager: replay produced {meta_of(real)} for slot "
+                                       f"{s}, the lazy tensor said {w._ae_meta}")
+            w._ae_real = real
+
+
+def poison(trace: Trace, err: BaseException) -> None:
+    """After a failed run, every live lazy tensor without a value raises ``err`` when read."""
+    for ref in trace.refs:
+        w = ref()
+        if w is not None and w._ae_real is None:
+            w._ae_error = err

@@ -13,6 +13,27 @@ _DisableFunction = torch._C.DisableTorchFunction
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.parameter.Buffer)
 
 
+class Slot:
+    """Marks, inside a recorded op's arguments, the output of an earlier op of the same trace."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"%{self.i}"
+
+
+SLOTS: list[Slot] = [Slot(i) for i in range(8192)]  # shared markers: no allocation per op
+
+
+def slot_marker(i: int) -> Slot:
+    while len(SLOTS) <= i:
+        SLOTS.append(Slot(len(SLOTS)))
+    return SLOTS[i]
+
+
 class Unsupported(Exception):
     """An op input the engine does not model; the op runs eagerly instead."""
 
@@ -20,14 +41,16 @@ class Unsupported(Exception):
 class Trace:
     """Append-only list of deferred ops.
 
-    ``ops`` holds ``(op, args, kwargs, outputs)`` as the user's code passed them: replay swaps each
-    lazy tensor for its real value as it goes. ``ext`` are the tensors that come from outside the
+    ``ops`` holds ``(op, args, kwargs, out_slots)`` with pending inputs as ``Slot`` markers.
+    ``refs[s]`` is a weak reference to the lazy tensor of slot ``s`` (dead once the user dropped
+    it), ``last[s]`` the index of the last op reading it, ``scalars`` the Python numbers keyed by
+    type only, in recording order. ``ext`` are the tensors that come from outside the
     trace (parameters, inputs, values of earlier traces), numbered by first use; ``groups`` maps a
     storage address to the index of its alias group, so aliasing between inputs is part of the key.
     """
 
     __slots__ = ("engine", "ops", "ext", "ext_ids", "groups", "n_slots", "node", "start",
-                 "off_keys", "off_outs", "off_node")
+                 "off_keys", "off_outs", "off_node", "refs", "last", "scalars")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -36,6 +59,9 @@ class Trace:
         self.ext_ids: dict[int, int] = {}
         self.groups: dict[int, int] = {}
         self.n_slots = 0
+        self.refs: list[Any] = []
+        self.last: list[int] = []
+        self.scalars: list[Any] = []
         self.start: TrieNode = TRIE.root(torch.get_default_dtype())
         self.node: TrieNode | None = self.start  # None once the trace leaves the trie
         self.off_node: TrieNode | None = None  # last trie node before it left

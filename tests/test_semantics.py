@@ -319,3 +319,13 @@ def test_autocast_replay_matches_eager() -> None:
 
     expected, got = eager_and_engine(fn)
     assert_equal_tree(expected, got)
+
+
+def test_parameter_from_lazy_tensor_is_a_plain_parameter(engine) -> None:
+    for _ in range(2):  # the second time, torch.ones(...) * 2 is lazy
+        data = torch.ones(3) * 2
+    p = torch.nn.Parameter(data)
+    assert type(p) is torch.nn.Parameter and p.requires_grad
+    assert p.tolist() == [2.0, 2.0, 2.0]
+    b = torch.nn.Buffer(torch.ones(2) * 3)
+    assert type(b) is torch.Tensor and b.tolist() == [3.0, 3.0]

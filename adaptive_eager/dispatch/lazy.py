@@ -194,3 +194,30 @@ def format_lazy(t: LazyTensor) -> str:
     else:
         return text
     return f"{text[:-1]}, {suffix})"
+
+
+_patched = False
+
+
+def install_parameter_patch() -> None:
+    """``nn.Parameter(lazy)`` and ``nn.Buffer(lazy)`` take the real value.
+
+    A parameter must be a plain tensor: one that stayed a wrapper would send every later op on it
+    through Python, and ``type(p) in [Tensor, Parameter]`` checks (optimizers) would pick slow
+    paths (DESIGN trap 13). Parameter's own subclass path would also reject a wrapper whose first
+    ``detach()`` ran eagerly. Installed once, on the first engine start; a no-op for other data.
+    """
+    global _patched
+    if _patched:
+        return
+    _patched = True
+    for cls in (torch.nn.Parameter, torch.nn.Buffer):
+        original = cls.__new__
+
+        def __new__(cls_: type, data: Any = None, *args: Any, _orig: Any = original,
+                    **kwargs: Any) -> Any:
+            if type(data) is LazyTensor:
+                data = materialize(data)
+            return _orig(cls_, data, *args, **kwargs)
+
+        cls.__new__ = staticmethod(__new__)  # type: ignore[method-assign]
