@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from adaptive_eager import config
+from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
 from adaptive_eager.cache.memory import META_CACHE, TRIE
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.engine import Engine
+from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
 
 log = logging.getLogger("adaptive_eager")
@@ -71,6 +74,18 @@ class EngineContext:
                 for m in reversed(st.modes):
                     m.__exit__(None, None, None)
                 st.engine, st.modes = None, ()
+                write_run_log(self.options)
+
+
+def write_run_log(options: config.Options) -> Path | None:
+    """Write this process's run log into the cache folder (when the folder is usable)."""
+    directory = resolve_cache_dir(options)
+    try:
+        ensure_private_dir(directory)
+    except Exception as err:
+        log.info("adaptive_eager: no run log (%s)", err)
+        return None
+    return RUN_LOG.write(directory, TRIE.entry_list, metrics())
 
 
 def adaptive_eager(**options: Any) -> EngineContext:

@@ -37,6 +37,23 @@ def _parse_pos_int(name: str, raw: str) -> int:
     return value
 
 
+def _parse_str(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ConfigError(f"{name}={raw!r}: expected a non-empty value")
+    return value
+
+
+def _parse_nonneg_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected an integer >= 0") from None
+    if value < 0:
+        raise ConfigError(f"{name}={raw!r}: expected an integer >= 0")
+    return value
+
+
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -66,6 +83,27 @@ SETTINGS: tuple[Setting, ...] = (
             "promised (debug aid; costs ~1 us per op)."),
     Setting("log_level", "ADAPTIVE_EAGER_LOG_LEVEL", _parse_log_level, "WARNING",
             "Level of the 'adaptive_eager' logger."),
+    Setting("backend", "ADAPTIVE_EAGER_BACKEND", _parse_str, "inductor",
+            "Compiler for hot traces: inductor, replay (never compiles), or a name registered "
+            "in the adaptive_eager.backends entry-point group."),
+    Setting("hot_after", "ADAPTIVE_EAGER_HOT_AFTER", _parse_pos_int, 3,
+            "A trace is compiled once it has run this many times."),
+    Setting("cache_dir", "ADAPTIVE_EAGER_CACHE_DIR", _parse_str, "",
+            "Disk cache folder (default: $XDG_CACHE_HOME/adaptive_eager or "
+            "~/.cache/adaptive_eager). Must be private to the user."),
+    Setting("cache_size_mb", "ADAPTIVE_EAGER_CACHE_SIZE_MB", _parse_pos_int, 2048,
+            "Disk cache size limit; least recently used entries are evicted beyond it."),
+    Setting("disk_cache", "ADAPTIVE_EAGER_DISK_CACHE", _parse_bool, True,
+            "Use the disk cache (off: compile in every process)."),
+    Setting("crosscheck", "ADAPTIVE_EAGER_CROSSCHECK", _parse_bool, False,
+            "Run every fused execution op by op too and compare; a mismatch quarantines the trace."),
+    Setting("compile_async", "ADAPTIVE_EAGER_COMPILE_ASYNC", _parse_bool, True,
+            "Compile in a background thread while the program keeps running op by op."),
+    Setting("step_aside", "ADAPTIVE_EAGER_STEP_ASIDE", _parse_bool, True,
+            "Leave the mode stack when measurements show no trace gains from fusion."),
+    Setting("probe_every", "ADAPTIVE_EAGER_PROBE_EVERY", _parse_nonneg_int, 2000,
+            "After stepping aside, re-enter to probe again after this many sync points "
+            "(0: never)."),
 )
 
 # The on/off switch for unmodified scripts (read by the torch.backends entry point).
@@ -81,6 +119,15 @@ class Options:
     max_trace_ops: int = 4096
     check: bool = False
     log_level: str = "WARNING"
+    backend: str = "inductor"
+    hot_after: int = 3
+    cache_dir: str = ""
+    cache_size_mb: int = 2048
+    disk_cache: bool = True
+    crosscheck: bool = False
+    compile_async: bool = True
+    step_aside: bool = True
+    probe_every: int = 2000
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,
@@ -109,10 +156,12 @@ def _coerce(setting: Setting, value: Any) -> Any:
             raise ConfigError(f"option {setting.name}={value!r}: expected True or False")
         return value
     if isinstance(setting.default, int):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"option {setting.name}={value!r}: expected a positive integer")
-        return value
-    return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"option {setting.name}={value!r}: expected an integer")
+        return setting.parse(setting.name, str(value))
+    if hasattr(value, "__fspath__"):
+        return os.fspath(value)
+    raise ConfigError(f"option {setting.name}={value!r}: expected a string")
 
 
 def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:

@@ -21,7 +21,9 @@ from adaptive_eager.dispatch.lazy import (
     LazyTensor, Meta, ValueUnavailable, materialize, meta_of, rebind_aliases, resolve_all,
 )
 from adaptive_eager.dispatch.opspec import OpSpec
+from adaptive_eager.explain import explain_miss, user_frame
 from adaptive_eager.execute import live_slots, poison, publish, replay
+from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import SLOTS, Trace, Unsupported, slot_marker
 
@@ -136,9 +138,12 @@ class Engine:
         else:
             if node is not None:
                 tr.leave_trie()
+                tr.miss = explain_miss(node, key_t)
+                tr.miss["where"] = user_frame()
             out_spec = self._metadata(op, spec, args, kwargs)
             tr.off_keys.append(key_t)
             tr.off_outs.append(out_spec)
+            tr.off_where.append(user_frame())
         out, slots = _outputs(out_spec, args, tr)
         tr.ops.append((op, tuple(margs), kwargs, slots))
         M.ops_deferred += 1
@@ -268,11 +273,12 @@ class Engine:
         if node is None:
             node = tr.off_node
             assert node is not None
-            for key, out in zip(tr.off_keys, tr.off_outs):
-                node = node.child(key, out)
+            for key, out, where in zip(tr.off_keys, tr.off_outs, tr.off_where):
+                node = node.child(key, out, where)
         entry = node.entry
         if entry is not None and tr.node is not None:
             M.trace_hits += 1
+            entry.hits += 1
         else:
             M.trace_misses += 1
             if entry is None:
@@ -280,10 +286,13 @@ class Engine:
                     log.warning("adaptive_eager: %d distinct traces seen; clearing the trace trie",
                                 TRIE.entries)
                     TRIE.clear()
-                entry = node.entry = TraceEntry(node, len(tr.ops))
-                TRIE.entries += 1
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("trace miss %s: %d ops", entry.digest[:12], len(tr.ops))
+                entry = TRIE.add_entry(node, len(tr.ops))
+            miss = tr.miss
+            if miss is not None:
+                RUN_LOG.add_miss(entry.digest, len(tr.ops), miss)
+                if log.isEnabledFor(logging.INFO):
+                    log.info("trace miss %s (%d ops): %s at %s", entry.digest[:12], len(tr.ops),
+                             miss.get("cause"), miss.get("where"))
         entry.runs += 1
         return entry
 

@@ -10,7 +10,9 @@ class Metrics:
     __slots__ = (
         "ops_intercepted", "ops_deferred", "ops_eager", "flushes", "trace_hits", "trace_misses",
         "fallbacks", "meta_misses", "engine_errors", "replay_errors", "flush_reasons",
-        "fallback_ops", "engine_error_kinds",
+        "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
+        "compile_errors", "compiled_runs", "replayed_runs", "disk_hits", "disk_misses",
+        "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
     )
 
     def __init__(self) -> None:
@@ -27,6 +29,20 @@ class Metrics:
         self.meta_misses = 0  # first sight of (op, input metadata): ran eagerly to learn outputs
         self.engine_errors = 0  # internal faults answered by falling back to eager
         self.replay_errors = 0  # deferred ops that raised when their trace ran
+        self.compiles = 0  # traces compiled in this process
+        self.compiles_pending = 0  # compiles submitted and not finished
+        self.compile_seconds = 0.0
+        self.compile_errors = 0  # a backend raised while compiling (the trace stays op by op)
+        self.compiled_runs = 0  # flushes that ran a fused program
+        self.replayed_runs = 0  # flushes that ran op by op
+        self.disk_hits = 0  # compiled programs loaded from the disk cache
+        self.disk_misses = 0
+        self.disk_errors = 0  # unreadable/foreign entries, failed writes, refused folders
+        self.quarantined = 0  # traces whose fused program disagreed with op-by-op replay
+        self.fused_errors = 0  # a fused program raised at run time (replayed instead)
+        self.kept_fused = 0  # decisions: fused measured faster than replay
+        self.kept_replay = 0  # decisions: fused not faster, trace stays op by op
+        self.step_asides = 0  # times the engine left the mode stack because nothing gained
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
         self.engine_error_kinds: Counter[str] = Counter()

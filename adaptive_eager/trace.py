@@ -50,7 +50,7 @@ class Trace:
     """
 
     __slots__ = ("engine", "ops", "ext", "ext_ids", "groups", "n_slots", "node", "start",
-                 "off_keys", "off_outs", "off_node", "refs", "last", "scalars")
+                 "off_keys", "off_outs", "off_where", "off_node", "refs", "last", "scalars", "miss")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -62,11 +62,13 @@ class Trace:
         self.refs: list[Any] = []
         self.last: list[int] = []
         self.scalars: list[Any] = []
+        self.miss: dict | None = None  # why it left the trie (explain.py), for the run log
         self.start: TrieNode = TRIE.root(torch.get_default_dtype())
         self.node: TrieNode | None = self.start  # None once the trace leaves the trie
         self.off_node: TrieNode | None = None  # last trie node before it left
         self.off_keys: list[tuple] = []
         self.off_outs: list[Any] = []
+        self.off_where: list[str] = []
 
     def register(self, t: torch.Tensor) -> tuple:
         """Number a tensor from outside the trace; return its key part ('x', meta id, group)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,3 +33,23 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
     assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(
         a.nan_to_num(), b.nan_to_num()), (a, b)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Inductor's own cache lives in this session's temp folder, never the user's."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets its own engine cache folder (the user's is never touched)."""
+    path = tmp_path_factory.mktemp("ae-cache") / "cache"
+    monkeypatch.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(path))
+    return path

@@ -39,32 +39,74 @@ def stable_repr(key: Any) -> str:
 
 
 class TraceEntry:
-    """A trace that has ended at least once, with its statistics."""
+    """A trace that has ended at least once, with its statistics and (issue 3) its program."""
 
-    __slots__ = ("digest", "runs", "n_ops", "node")
+    __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
+                 "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
+                 "fused_runs", "error")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
         self.digest = node.digest.hex()
         self.runs = 0
+        self.hits = 0
         self.n_ops = n_ops
+        self.state = "new"  # new | compiling | measuring | fused | replay | failed | quarantined
+        self.program: Any = None
+        self.program_live: frozenset[int] = frozenset()
+        self.replay_s: list[float] = []  # recent op-by-op timings
+        self.fused_s: list[float] = []  # recent fused timings
+        self.compile_s = 0.0
+        self.decision = ""
+        self.future: Any = None
+        self.disk_checked = False
+        self.fused_runs = 0
+        self.error = ""
+
+    def summary(self) -> dict:
+        return {"trace": self.digest, "runs": self.runs, "hits": self.hits, "n_ops": self.n_ops,
+                "state": self.state, "decision": self.decision,
+                "compile_s": round(self.compile_s, 4),
+                "replay_ms": _median_ms(self.replay_s), "fused_ms": _median_ms(self.fused_s),
+                "fused_runs": self.fused_runs, "error": self.error}
+
+    def op_listing(self, limit: int) -> list[list[str]]:
+        """[op name, source line] from the first op of the trace to its end."""
+        ops = []
+        node: TrieNode | None = self.node
+        while node is not None and node.key is not None:
+            ops.append([str(node.key[0]), node.where or ""])
+            node = node.parent
+        ops.reverse()
+        return ops[:limit]
+
+
+def _median_ms(values: list[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[len(s) // 2] * 1e3, 4)
 
 
 class TrieNode:
-    __slots__ = ("children", "out", "digest", "entry", "depth")
+    __slots__ = ("children", "out", "digest", "entry", "depth", "parent", "key", "where")
 
-    def __init__(self, out: OutSpec, digest: bytes, depth: int) -> None:
+    def __init__(self, out: OutSpec, digest: bytes, depth: int, parent: TrieNode | None = None,
+                 key: tuple | None = None, where: str | None = None) -> None:
         self.children: dict[tuple, TrieNode] = {}
         self.out = out
         self.digest = digest
         self.entry: TraceEntry | None = None
         self.depth = depth
+        self.parent = parent
+        self.key = key
+        self.where = where  # user source line of the op, when it was first recorded
 
-    def child(self, key: tuple, out: OutSpec) -> TrieNode:
+    def child(self, key: tuple, out: OutSpec, where: str | None = None) -> TrieNode:
         node = self.children.get(key)
         if node is None:
             digest = xxhash.xxh3_128_digest(self.digest + stable_repr(key).encode())
-            node = self.children[key] = TrieNode(out, digest, self.depth + 1)
+            node = self.children[key] = TrieNode(out, digest, self.depth + 1, self, key, where)
         return node
 
 
@@ -74,6 +116,7 @@ class TraceTrie:
     def __init__(self) -> None:
         self.roots: dict[torch.dtype, TrieNode] = {}
         self.entries = 0
+        self.entry_list: list[TraceEntry] = []
 
     def root(self, default_dtype: torch.dtype) -> TrieNode:
         node = self.roots.get(default_dtype)
@@ -82,9 +125,16 @@ class TraceTrie:
             node = self.roots[default_dtype] = TrieNode(None, seed, 0)
         return node
 
+    def add_entry(self, node: TrieNode, n_ops: int) -> TraceEntry:
+        entry = node.entry = TraceEntry(node, n_ops)
+        self.entries += 1
+        self.entry_list.append(entry)
+        return entry
+
     def clear(self) -> None:
         self.roots.clear()
         self.entries = 0
+        self.entry_list.clear()
 
 
 class MetaCache:

@@ -34,6 +34,7 @@ class Meta:
 
 
 _METAS: dict[tuple, Meta] = {}
+METAS_BY_ID: list[Meta] = []  # mid -> Meta, for explaining keys (reports)
 
 
 def intern_meta(size: Any, stride: tuple, offset: int, dtype: torch.dtype,
@@ -42,6 +43,7 @@ def intern_meta(size: Any, stride: tuple, offset: int, dtype: torch.dtype,
     m = _METAS.get(key)
     if m is None:
         m = _METAS[key] = Meta(key, len(_METAS))
+        METAS_BY_ID.append(m)
     return m
 
 

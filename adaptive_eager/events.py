@@ -1,0 +1,106 @@
+"""The run log: what each run did with its traces, written once at the end of the run.
+
+Nothing here runs per op. Misses are noted when a trace ends (explain.py says why), aggregated by
+(cause, op, source line), and written with per-trace statistics as one JSON-lines file per run in
+``<cache dir>/runs/``. Files are bounded (top traces, top misses) and only the newest runs are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+log = logging.getLogger("adaptive_eager")
+
+MAX_MISS_GROUPS = 500
+MAX_TRACES = 200
+MAX_OPS_LISTED = 400
+KEEP_RUNS = 50
+
+
+class RunLog:
+    def __init__(self) -> None:
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.start = time.time()
+        self.misses: dict[tuple, dict] = {}
+
+    def add_miss(self, digest: str, n_ops: int, info: dict) -> None:
+        group = (info.get("cause"), info.get("op"), info.get("where"), info.get("arg"),
+                 info.get("dim"))
+        rec = self.misses.get(group)
+        if rec is None:
+            if len(self.misses) >= MAX_MISS_GROUPS:
+                return
+            rec = self.misses[group] = {**info, "count": 0, "values": [], "traces": []}
+        rec["count"] += 1
+        for v in (info.get("old"), info.get("new")):
+            if v is not None and v not in rec["values"] and len(rec["values"]) < 16:
+                rec["values"].append(v)
+        if digest not in rec["traces"] and len(rec["traces"]) < 8:
+            rec["traces"].append(digest)
+
+    def records(self, entries: list, metrics: dict) -> list[dict]:
+        out: list[dict] = [{
+            "type": "run", "run_id": self.run_id, "start": self.start, "end": time.time(),
+            "argv": sys.argv[:8], "pid": os.getpid(), "metrics": metrics,
+        }]
+        top = sorted(entries, key=lambda e: e.runs * max(e.n_ops, 1), reverse=True)[:MAX_TRACES]
+        for e in top:
+            out.append({"type": "trace", "run_id": self.run_id, **e.summary(),
+                        "ops": e.op_listing(MAX_OPS_LISTED)})
+        for rec in self.misses.values():
+            out.append({"type": "miss", "run_id": self.run_id, **rec})
+        return out
+
+    def write(self, directory: Path, entries: list, metrics: dict) -> Path | None:
+        """Append this run's records to its file; never raises (a log must not break a run)."""
+        try:
+            runs = directory / "runs"
+            runs.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path = runs / f"{self.run_id}.jsonl"
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w") as f:
+                for rec in self.records(entries, metrics):
+                    f.write(json.dumps(rec, default=str) + "\n")
+            os.replace(tmp, path)  # atomic: a reader never sees half a file
+            _prune(runs)
+            return path
+        except Exception as err:
+            log.warning("adaptive_eager: could not write the run log: %s", err)
+            return None
+
+
+def _prune(runs: Path) -> None:
+    files = sorted(runs.glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
+    for old in files[:-KEEP_RUNS]:
+        try:
+            old.unlink()
+        except OSError:
+            pass
+
+
+def read_runs(directory: Path) -> list[list[dict]]:
+    """All run logs under ``directory``, oldest first; unreadable lines are skipped."""
+    runs = []
+    folder = directory / "runs"
+    if not folder.is_dir():
+        return runs
+    for path in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
+        recs = []
+        for line in path.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                continue
+        if recs and recs[0].get("type") == "run":
+            runs.append(recs)
+    return runs
+
+
+RUN_LOG = RunLog()
+
