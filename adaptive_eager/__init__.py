@@ -7,7 +7,7 @@
 
 from adaptive_eager.api import (
     EngineContext, adaptive_eager, clear_caches, disable, enable, is_enabled, metrics,
-    reset_metrics, sync,
+    reset_metrics, sync, wait_for_compiles,
 )
 from adaptive_eager.config import ConfigError
 from adaptive_eager.dispatch.lazy import LazyTensor, ValueUnavailable
@@ -16,6 +16,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError", "EngineContext", "LazyTensor", "ValueUnavailable", "adaptive_eager",
-    "clear_caches", "disable", "enable", "is_enabled", "metrics", "reset_metrics", "sync",
+    "clear_caches", "disable", "enable", "is_enabled", "metrics", "reset_metrics", "sync", "wait_for_compiles",
     "__version__",
 ]

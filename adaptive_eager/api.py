@@ -11,6 +11,7 @@ from typing import Any
 from adaptive_eager import config
 from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
 from adaptive_eager.cache.memory import META_CACHE, TRIE
+from adaptive_eager.compiler import _managers, reset_managers
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.engine import Engine
@@ -139,6 +140,14 @@ def reset_metrics() -> None:
 
 
 def clear_caches() -> None:
-    """Forget every known trace and op metadata (tests use this to start cold)."""
+    """Forget every known trace, op metadata and compiled program in memory (the disk cache
+    stays): the next run starts like a fresh process."""
     TRIE.clear()
     META_CACHE.clear()
+    reset_managers()
+
+
+def wait_for_compiles(timeout: float | None = None) -> None:
+    """Block until background compiles submitted so far have finished."""
+    for manager in list(_managers.values()):
+        manager.wait(timeout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -22,7 +23,9 @@ from adaptive_eager.dispatch.lazy import (
 )
 from adaptive_eager.dispatch.opspec import OpSpec
 from adaptive_eager.explain import explain_miss, user_frame
+from adaptive_eager.compiler import manager_for
 from adaptive_eager.execute import live_slots, poison, publish, replay
+from adaptive_eager.fused import run_fused
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import SLOTS, Trace, Unsupported, slot_marker
@@ -70,6 +73,7 @@ class Engine:
         self.cap = options.max_trace_ops
         self.lock = threading.RLock()
         self.trace = Trace(self)
+        self.compiler = manager_for(options)
         self._errors_logged: set[str] = set()
 
     # ---- record (the hot path: one call per deferrable aten op) ----------------------------
@@ -253,10 +257,10 @@ class Engine:
             self.trace = Trace(self)
             M.flushes += 1
             M.flush_reasons[reason] += 1
-            self._finish(tr)
+            entry = self._finish(tr)
             live = live_slots(tr)
             try:
-                env = replay(tr, live, self.check)
+                env = self._execute(entry, tr, live)
                 publish(tr, env, self.check)
             except BaseException as err:
                 M.replay_errors += 1
@@ -266,6 +270,25 @@ class Engine:
             finally:
                 tr.ops.clear()
                 tr.ext.clear()
+
+    def _execute(self, entry: TraceEntry, tr: Trace, live: list[int]) -> list:
+        """Run the trace: its fused program when one is ready and usable, else op by op."""
+        mgr = self.compiler
+        program = None
+        if mgr.backend.compiles:
+            if entry.state == "new":
+                mgr.observe(entry, tr)
+            program = mgr.program_for(entry, tr, live)
+        if program is not None:
+            env = run_fused(mgr, entry, program, tr, self.options.crosscheck)
+            if env is not None:
+                return env
+        start = time.perf_counter()
+        with torch.profiler.record_function("adaptive_eager.replay"):
+            env = replay(tr, live, self.check)
+        mgr.record_replay(entry, time.perf_counter() - start)
+        M.replayed_runs += 1
+        return env
 
     def _finish(self, tr: Trace) -> TraceEntry:
         """Note the trace in the trie: a hit if it ended where a known trace ended."""

@@ -23,8 +23,8 @@ def _fresh_engine_state() -> Iterator[None]:
 
 @pytest.fixture
 def engine():
-    """Enter the engine with replay metadata checks on; yields the metrics function."""
-    with ae.adaptive_eager(check=True):
+    """Enter the engine (op-by-op replay, metadata checks on); yields the metrics function."""
+    with ae.adaptive_eager(check=True, backend="replay"):
         yield ae.metrics
 
 

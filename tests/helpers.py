@@ -11,7 +11,12 @@ import adaptive_eager as ae
 
 
 def eager_and_engine(fn: Callable[[], Any], **options: Any) -> tuple[Any, Any]:
-    """Call ``fn`` twice: once in plain eager, once under the engine (after a reseed each time)."""
+    """Call ``fn`` twice: once in plain eager, once under the engine (after a reseed each time).
+
+    The engine runs op by op (backend "replay") unless ``options`` say otherwise: these are the
+    bitwise comparisons; fused programs are compared within tolerances in test_compile.py.
+    """
+    options.setdefault("backend", "replay")
     torch.manual_seed(1234)
     expected = fn()
     torch.manual_seed(1234)

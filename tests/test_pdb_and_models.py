@@ -23,7 +23,7 @@ _PDB_SCRIPT = textwrap.dedent("""
         torch.manual_seed(0)
         w = torch.randn(3, 3, requires_grad=True)
         x = torch.randn(2, 3)
-        ctx = ae.adaptive_eager() if use_engine else None
+        ctx = ae.adaptive_eager(backend="replay") if use_engine else None
         if ctx:
             ctx.__enter__()
         for _ in range(3):  # warm: the last iteration is fully deferred

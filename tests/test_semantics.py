@@ -162,7 +162,7 @@ def test_param_data_assignment_of_lazy_tensor(engine) -> None:
 
 def test_shape_error_raised_at_the_line_of_the_op() -> None:
     a, b = torch.randn(3, 4), torch.randn(5, 6)
-    with ae.adaptive_eager():
+    with ae.adaptive_eager(backend="replay"):
         c = a * 2  # noqa: F841 (a pending op before the bad one)
         with pytest.raises(RuntimeError) as info:
             line = sys._getframe().f_lineno + 1
@@ -176,7 +176,7 @@ def test_shape_error_raised_at_the_line_of_the_op() -> None:
 
 def test_shape_error_after_warmup_still_eager_message() -> None:
     a = torch.randn(3, 4)
-    with ae.adaptive_eager():
+    with ae.adaptive_eager(backend="replay"):
         for _ in range(3):
             (a @ torch.randn(4, 2)).sum()  # known op, known metadata
         with pytest.raises(RuntimeError, match="cannot be multiplied"):
@@ -185,7 +185,7 @@ def test_shape_error_after_warmup_still_eager_message() -> None:
 
 def test_value_dependent_error_surfaces_at_flush_and_poisons_later_values() -> None:
     table = torch.randn(5, 3)
-    with ae.adaptive_eager():
+    with ae.adaptive_eager(backend="replay"):
         for _ in range(2):  # warm up: every op below is then deferred
             (torch.index_select(table, 0, torch.tensor([0, 1]) + 0) * 2).sum().item()
         bad = torch.index_select(table, 0, torch.tensor([0, 1]) + 7)  # deferred: indices unknown
@@ -238,10 +238,10 @@ def test_other_threads_are_unaffected(engine) -> None:
 
 
 def test_nested_and_reentered_contexts() -> None:
-    ctx = ae.adaptive_eager()
+    ctx = ae.adaptive_eager(backend="replay")
     x = torch.ones(3)
     with ctx:
-        with ae.adaptive_eager():
+        with ae.adaptive_eager(backend="replay"):
             x * 3  # first sight runs eagerly; the next one is deferred
             y = x * 3
             assert y._ae_real is None
@@ -258,7 +258,7 @@ def test_nested_and_reentered_contexts() -> None:
 def test_exception_inside_context_leaves_no_pending_work() -> None:
     x = torch.zeros(3)
     with pytest.raises(ValueError, match="boom"):
-        with ae.adaptive_eager():
+        with ae.adaptive_eager(backend="replay"):
             x.add_(1)
             raise ValueError("boom")
     assert not ae.is_enabled()
@@ -266,7 +266,7 @@ def test_exception_inside_context_leaves_no_pending_work() -> None:
 
 
 def test_enable_disable_and_sync() -> None:
-    ae.enable()
+    ae.enable(backend="replay")
     try:
         assert ae.is_enabled()
         torch.ones(2) + 1
@@ -301,7 +301,7 @@ def test_metrics_keys_and_reset(engine) -> None:
 
 def test_trace_length_cap_flushes() -> None:
     x = torch.zeros(2)
-    with ae.adaptive_eager(max_trace_ops=4):
+    with ae.adaptive_eager(max_trace_ops=4, backend="replay"):
         for _ in range(3):
             for _ in range(10):
                 x = x + 1

@@ -54,7 +54,7 @@ def test_second_pass_through_loop_hits_trace_cache() -> None:
         return ((x @ w).relu() * 0.5 + 1).sum().item()
 
     x = torch.randn(4, 16)
-    with ae.adaptive_eager(check=True):
+    with ae.adaptive_eager(check=True, backend="replay"):
         step(x)  # first sight: every op runs once to learn its output metadata
         after_first = ae.metrics()
         step(x)  # deferred into one trace, new
@@ -68,7 +68,7 @@ def test_second_pass_through_loop_hits_trace_cache() -> None:
 def test_varying_python_scalar_is_not_a_new_trace() -> None:
     x = torch.randn(8)
     out = []
-    with ae.adaptive_eager(check=True):
+    with ae.adaptive_eager(check=True, backend="replay"):
         for step in range(6):
             lr = 0.1 / (step + 1)
             out.append((x * lr + lr).sum().item())

@@ -43,7 +43,7 @@ class TraceEntry:
 
     __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
-                 "fused_runs", "error")
+                 "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -62,6 +62,10 @@ class TraceEntry:
         self.disk_checked = False
         self.fused_runs = 0
         self.error = ""
+        self.scalar_ref: list[Any] | None = None  # Python numbers of the first run
+        self.varying: set[int] = set()  # positions of numbers that changed between runs
+        self.graph: Any = None  # the TraceGraph the program was built from
+        self.was_hot = False  # an earlier process found this trace hot
 
     def summary(self) -> dict:
         return {"trace": self.digest, "runs": self.runs, "hits": self.hits, "n_ops": self.n_ops,

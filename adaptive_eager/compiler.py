@@ -1,0 +1,346 @@
+"""When traces get compiled, where programs come from, and whether a program is worth keeping.
+
+Note [adaptive decisions]
+Each trace entry moves through states:
+  new        runs op by op; its replay time and which Python numbers vary are observed.
+  compiling  seen ``hot_after`` times: compiled in a background thread (or at once with
+             compile_async off) while the program keeps running op by op.
+  measuring  program ready (compiled, or loaded from the disk cache): the next runs use it and
+             are timed; the first (warm-up) call is not counted.
+  fused      measured faster than op-by-op replay, recording overhead included: kept.
+  replay     not faster: the program is dropped and the trace never compiles again here (the
+             decision is stored on disk, so later processes do not compile it either).
+  failed     the compiler or the program raised: op by op from now on, counted, logged once.
+  quarantined the crosscheck found the fused result differs from op-by-op replay.
+A program is used only for runs whose live slots it returns and whose baked-in numbers still hold.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from adaptive_eager import graph as graph_mod
+from adaptive_eager.backends import Backend, get_backend
+from adaptive_eager.cache.disk import DiskCache, cache_key, resolve_cache_dir
+from adaptive_eager.cache.memory import TraceEntry
+from adaptive_eager.config import Options
+from adaptive_eager.metrics import METRICS as M
+from adaptive_eager.trace import Trace
+
+log = logging.getLogger("adaptive_eager")
+
+ENGINE_VERSION = "0.1.0"
+MEASURE_RUNS = 3  # timed fused runs before deciding
+MIN_OPS = 2  # a one-op trace has nothing to fuse
+KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of replay time
+_HISTORY = 8
+
+
+@contextlib.contextmanager
+def outside_modes() -> Iterator[None]:
+    """Run compiler code with no torch-function or dispatch mode of this thread active.
+
+    Inductor runs tensor ops of its own (fake tensors, constant folding); under the engine's modes
+    they would be recorded as if the user had written them.
+    """
+    with _disable_current_modes():
+        funcs = [torch._C._pop_torch_function_stack()
+                 for _ in range(torch._C._len_torch_function_stack())]
+        try:
+            yield
+        finally:
+            for mode in reversed(funcs):
+                torch._C._push_on_torch_function_stack(mode)
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def _flags() -> str:
+    """Global settings that change generated code, for the disk key."""
+    return (f"mm={torch.get_float32_matmul_precision()};det="
+            f"{torch.are_deterministic_algorithms_enabled()}")
+
+
+class CompileManager:
+    """One per process and option set: the backend, the disk cache, the compile worker."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.backend: Backend = get_backend(options.backend)
+        self.disk: DiskCache | None = None
+        if options.disk_cache and self.backend.compiles:
+            self.disk = DiskCache.open(resolve_cache_dir(options),
+                                       options.cache_size_mb * 1024 * 1024)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        self.decided = 0
+        self.kept = 0
+
+    # ---- observation (op-by-op runs) ----------------------------------------------------------
+    def observe(self, entry: TraceEntry, trace: Trace) -> None:
+        """Note which Python numbers changed since the entry's first run."""
+        if entry.scalar_ref is None:
+            entry.scalar_ref = list(trace.scalars)
+            return
+        ref = entry.scalar_ref
+        for i, v in enumerate(trace.scalars):
+            if i < len(ref) and (type(v) is not type(ref[i]) or v != ref[i]):
+                entry.varying.add(i)
+
+    def record_replay(self, entry: TraceEntry, seconds: float) -> None:
+        entry.replay_s.append(seconds)
+        if len(entry.replay_s) > _HISTORY:
+            del entry.replay_s[0]
+
+    # ---- the question asked at every flush ----------------------------------------------------
+    def program_for(self, entry: TraceEntry, trace: Trace, live: list[int]) -> Any:
+        """The program to run this flush with, or None for op-by-op replay."""
+        if not self.backend.compiles:
+            return None
+        state = entry.state
+        if state == "compiling":
+            if not entry.future.done():
+                return None
+            self._compiled(entry)
+            state = entry.state
+        if state in ("measuring", "fused"):
+            g = entry.graph
+            if set(live) <= entry.program_live and g.scalars_hold(trace.scalars):
+                return entry.program
+            return None
+        if state == "new":
+            self._maybe_start(entry, trace, live)
+            if entry.state in ("measuring", "fused"):
+                return self.program_for(entry, trace, live)
+        return None
+
+    def _maybe_start(self, entry: TraceEntry, trace: Trace, live: list[int]) -> None:
+        if entry.n_ops < MIN_OPS:
+            return
+        if not entry.disk_checked:
+            entry.disk_checked = True
+            if self._from_disk(entry, trace, live):
+                return
+        hot = entry.runs >= self.options.hot_after or entry.was_hot
+        if hot and entry.state == "new":
+            self._submit(entry, trace, live)
+
+    # ---- compiling ----------------------------------------------------------------------------
+    def _submit(self, entry: TraceEntry, trace: Trace, live: list[int]) -> None:
+        try:
+            g = graph_mod.build(trace, live, entry.varying)
+        except Exception as err:  # Unfusable, or a trace shape we do not handle
+            self._fail(entry, "graph", err)
+            return
+        entry.graph = g
+        entry.program_live = frozenset(live)
+        entry.state = "compiling"
+        M.compiles_pending += 1
+        if self.options.compile_async:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="adaptive_eager-compile")
+            entry.future = self._pool.submit(self._compile, g)
+        else:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                fut.set_result(self._compile(g))
+            except BaseException as err:
+                fut.set_exception(err)
+            entry.future = fut
+            self._compiled(entry)
+
+    def _compile(self, g: graph_mod.TraceGraph) -> tuple[Any, float]:
+        start = time.perf_counter()
+        with outside_modes(), torch.profiler.record_function("adaptive_eager.compile"):
+            program = self.backend.compile(g)
+        return program, time.perf_counter() - start
+
+    def _compiled(self, entry: TraceEntry) -> None:
+        M.compiles_pending -= 1
+        try:
+            program, seconds = entry.future.result()
+        except Exception as err:
+            M.compile_errors += 1
+            self._fail(entry, "compile", err)
+            return
+        finally:
+            entry.future = None
+        M.compiles += 1
+        M.compile_seconds += seconds
+        entry.compile_s = seconds
+        entry.program = program
+        entry.state = "measuring"
+        log.info("adaptive_eager: compiled trace %s (%d ops) in %.2fs", entry.digest[:12],
+                 entry.n_ops, seconds)
+        self._store(entry)
+
+    # ---- measuring and deciding ---------------------------------------------------------------
+    def record_fused(self, entry: TraceEntry, seconds: float) -> None:
+        entry.fused_runs += 1
+        if entry.fused_runs == 1 and entry.state == "measuring":
+            return  # warm-up call: first-touch costs are not the program's steady state
+        entry.fused_s.append(seconds)
+        if len(entry.fused_s) > _HISTORY:
+            del entry.fused_s[0]
+        if entry.state == "measuring" and len(entry.fused_s) >= MEASURE_RUNS:
+            self._decide(entry)
+
+    def _decide(self, entry: TraceEntry) -> None:
+        fused = _median(entry.fused_s)
+        replay = _median(entry.replay_s) if entry.replay_s else float("inf")
+        self.decided += 1
+        if fused <= KEEP_RATIO * replay:
+            entry.state = "fused"
+            entry.decision = f"fused: {fused * 1e3:.3f} ms vs op-by-op {replay * 1e3:.3f} ms"
+            M.kept_fused += 1
+            self.kept += 1
+        else:
+            entry.state = "replay"
+            entry.decision = (f"op-by-op: fused {fused * 1e3:.3f} ms is not faster than "
+                              f"{replay * 1e3:.3f} ms")
+            entry.program = None
+            M.kept_replay += 1
+        log.info("adaptive_eager: trace %s: %s", entry.digest[:12], entry.decision)
+        self.save_stats(entry)
+
+    def fused_failed(self, entry: TraceEntry, err: BaseException) -> None:
+        M.fused_errors += 1
+        self._fail(entry, "run", err)
+
+    def quarantine(self, entry: TraceEntry, why: str) -> None:
+        M.quarantined += 1
+        entry.state = "quarantined"
+        entry.program = None
+        entry.decision = f"quarantined: {why}"
+        log.warning("adaptive_eager: trace %s quarantined: %s; it runs op by op from now on",
+                    entry.digest[:12], why)
+        if self.disk is not None:
+            self.disk.quarantine(entry.digest, why)
+
+    def _fail(self, entry: TraceEntry, stage: str, err: BaseException) -> None:
+        entry.state = "failed"
+        entry.program = None
+        entry.error = f"{stage}: {type(err).__name__}: {err}"[:500]
+        entry.decision = f"op-by-op: {stage} failed"
+        kind = f"{stage}:{type(err).__name__}"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("adaptive_eager: %s of trace %s failed (%s: %s); it runs op by op",
+                        stage, entry.digest[:12], type(err).__name__, str(err)[:300],
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+        self.save_stats(entry)
+
+    # ---- disk ---------------------------------------------------------------------------------
+    def _program_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
+        return cache_key(trace=entry.digest, live=g.live, lifted=g.lifted,
+                         baked=tuple(zip(g.baked, g.baked_values)), torch=torch.__version__,
+                         engine=ENGINE_VERSION, backend=self.backend.options_key(),
+                         flags=_flags())
+
+    def _store(self, entry: TraceEntry) -> None:
+        if self.disk is None:
+            return
+        try:
+            with outside_modes():
+                data = self.backend.serialize(entry.program)
+        except Exception as err:
+            M.disk_errors += 1
+            log.info("adaptive_eager: program of %s not serializable: %s", entry.digest[:12], err)
+            return
+        g = entry.graph
+        self.disk.put_program(self._program_key(entry, g), torch.__version__, self.backend.name,
+                              data, {"n_ops": entry.n_ops, "compile_s": entry.compile_s})
+        self.save_stats(entry)
+
+    def _from_disk(self, entry: TraceEntry, trace: Trace, live: list[int]) -> bool:
+        """Load a program (or a past decision) for this trace from the disk cache."""
+        if self.disk is None:
+            return False
+        if self.disk.is_quarantined(entry.digest):
+            entry.state = "quarantined"
+            entry.decision = "quarantined in an earlier run"
+            return True
+        stats = self.disk.get_stats(entry.digest)
+        if stats is None:
+            M.disk_misses += 1
+            return False
+        if stats.get("decision", "").startswith("op-by-op") and stats.get("torch") == \
+                torch.__version__:
+            entry.state = "replay"
+            entry.decision = stats["decision"] + " (earlier run)"
+            return True
+        entry.was_hot = bool(stats.get("hot"))
+        entry.varying |= set(stats.get("varying", ()))
+        try:
+            g = graph_mod.build(trace, live, entry.varying)
+        except Exception:
+            return False
+        value = self.disk.get_program(self._program_key(entry, g), torch.__version__)
+        if value is None:
+            M.disk_misses += 1
+            return False
+        try:
+            with outside_modes(), torch.profiler.record_function("adaptive_eager.load"):
+                program = self.backend.load(value["artifact"], g)
+        except Exception as err:
+            M.disk_errors += 1
+            log.warning("adaptive_eager: cached program for %s failed to load (%s); "
+                        "recompiling", entry.digest[:12], err)
+            return False
+        M.disk_hits += 1
+        entry.graph = g
+        entry.program = program
+        entry.program_live = frozenset(live)
+        entry.state = "fused" if stats.get("decision", "").startswith("fused") else "measuring"
+        entry.decision = stats.get("decision", "") + " (loaded)"
+        return True
+
+    def save_stats(self, entry: TraceEntry) -> None:
+        if self.disk is None:
+            return
+        self.disk.put_stats(entry.digest, {
+            "torch": torch.__version__, "hot": entry.runs >= self.options.hot_after
+            or entry.was_hot, "decision": entry.decision, "varying": sorted(entry.varying),
+            "replay_ms": entry.summary()["replay_ms"], "fused_ms": entry.summary()["fused_ms"],
+            "compile_s": entry.compile_s, "n_ops": entry.n_ops, "runs": entry.runs,
+            "error": entry.error,
+        })
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until submitted compiles finish (tests and benchmarks use this)."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result(timeout)
+
+
+_managers: dict[Options, CompileManager] = {}
+_managers_lock = threading.Lock()
+
+
+def manager_for(options: Options) -> CompileManager:
+    with _managers_lock:
+        m = _managers.get(options)
+        if m is None:
+            m = _managers[options] = CompileManager(options)
+        return m
+
+
+def reset_managers() -> None:
+    with _managers_lock:
+        for m in _managers.values():
+            if m.disk is not None:
+                m.disk.close()
+        _managers.clear()

@@ -1,0 +1,164 @@
+"""A trace as an FX graph of aten ops: what a compiler backend receives.
+
+Note [trace graph]
+Placeholders are the trace's external tensors, in first-use order, then the Python numbers that
+vary between runs of the trace (``lifted``: each a 0-d float64/int64 tensor turned back into a
+SymFloat/SymInt with ``aten.item`` inside the graph, so promotion follows Python-scalar rules and
+a new learning rate is not a recompile). Numbers that stayed the same in every run seen so far are
+baked in as constants; the program is only used while they still hold (``baked``). Ops are copied
+literally, in-place ops and views included: the compiler's functionalization (AOTAutograd inside
+Inductor) turns them into a functional program whose input mutations are applied in place, and
+whose outputs that alias inputs come back as real views of those inputs. Outputs are the live
+slots: lazy tensors the user (or autograd) still holds when the trace is flushed; dead
+intermediates are the ones fusion removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from adaptive_eager.dispatch.lazy import LazyTensor
+from adaptive_eager.trace import Slot, Trace
+
+aten = torch.ops.aten
+
+# Scalar overloads whose decomposition branches on the scalar's value: a lifted (unbacked) scalar
+# cannot be guarded on, so these take the Tensor overload with a 0-d weight instead.
+_LERP_TENSOR = {aten.lerp_.Scalar: aten.lerp_.Tensor, aten.lerp.Scalar: aten.lerp.Tensor}
+
+
+class Unfusable(Exception):
+    """The trace cannot become a fused program (it stays op by op)."""
+
+
+@dataclasses.dataclass
+class TraceGraph:
+    gm: fx.GraphModule
+    n_ext: int
+    lifted: tuple[int, ...]  # positions in trace.scalars that are program inputs
+    baked: tuple[int, ...]  # positions that are constants in the program
+    baked_values: tuple[Any, ...]
+    live: tuple[int, ...]  # slots returned by the program, in output order
+    example_inputs: list[Any]
+    n_ops: int
+
+    def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any]:
+        return [*ext_reals, *(_scalar_input(scalars[i]) for i in self.lifted)]
+
+    def scalars_hold(self, scalars: list[Any]) -> bool:
+        """Whether this run's baked-in numbers equal the ones compiled in."""
+        return all(type(scalars[i]) is type(v) and scalars[i] == v
+                   for i, v in zip(self.baked, self.baked_values))
+
+
+def _scalar_input(v: Any) -> torch.Tensor:
+    if type(v) is float:
+        return torch.tensor(v, dtype=torch.float64)
+    if type(v) is bool:
+        return torch.tensor(v, dtype=torch.bool)
+    if type(v) is int:
+        return torch.tensor(v, dtype=torch.int64)
+    raise Unfusable(f"cannot lift a {type(v).__name__} scalar")
+
+
+def ext_reals(trace: Trace) -> list[torch.Tensor]:
+    return [t._ae_real if type(t) is LazyTensor else t for t in trace.ext]  # type: ignore[misc]
+
+
+def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
+    """The FX graph of ``trace`` returning ``live`` slots; numbers at ``varying`` positions lifted."""
+    g = fx.Graph()
+    ext_nodes = [g.placeholder(f"x{i}") for i in range(len(trace.ext))]
+    scalars = trace.scalars
+    lifted = tuple(i for i in range(len(scalars)) if i in varying)
+    lifted_at = {i: g.placeholder(f"s{i}") for i in lifted}
+    baked = tuple(i for i in range(len(scalars)) if i not in varying)
+    env: dict[int, fx.Node] = {}
+    scalar_pos = [0]
+
+    def scalar(v: Any) -> Any:
+        i = scalar_pos[0]
+        scalar_pos[0] += 1
+        ph = lifted_at.get(i)
+        return v if ph is None else g.call_function(aten.item.default, (ph,))
+
+    for op, args, kwargs, slots in trace.ops:
+        from adaptive_eager.dispatch.opspec import spec_for
+
+        spec = spec_for(op)
+        cargs = tuple(_convert(a, i in spec.scalar_pos, spec, trace, ext_nodes, env, scalar)
+                      for i, a in enumerate(args))
+        ckw = {k: _convert(v, k in spec.scalar_kw, spec, trace, ext_nodes, env, scalar)
+               for k, v in kwargs.items()}
+        if op in _LERP_TENSOR and isinstance(cargs[2], fx.Node):
+            weight = g.call_function(aten.scalar_tensor.default, (cargs[2],),
+                                     {"dtype": _dtype_of(args[0], trace)})
+            op, cargs = _LERP_TENSOR[op], (cargs[0], cargs[1], weight)
+        node = g.call_function(op, cargs, ckw)
+        _bind(slots, node, env, g)
+    if scalar_pos[0] != len(scalars):
+        raise Unfusable("scalar bookkeeping mismatch")  # never expected: keys and graph disagree
+    missing = [s for s in live if s not in env]
+    if missing:
+        raise Unfusable(f"live slots {missing} have no producer")
+    g.output(tuple(env[s] for s in live))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    reals = ext_reals(trace)
+    return TraceGraph(gm=gm, n_ext=len(trace.ext), lifted=lifted, baked=baked,
+                      baked_values=tuple(scalars[i] for i in baked), live=tuple(live),
+                      example_inputs=[*reals, *(_scalar_input(scalars[i]) for i in lifted)],
+                      n_ops=len(trace.ops))
+
+
+def _dtype_of(a: Any, trace: Trace) -> torch.dtype:
+    if type(a) is Slot:
+        raise Unfusable("lerp on an internal value")  # dtype not tracked per slot here
+    return a.dtype
+
+
+def _convert(a: Any, scalar_position: bool, spec: Any, trace: Trace, ext_nodes: list,
+             env: dict, scalar: Any) -> Any:
+    """One recorded argument as a graph argument (mirrors the key rules in engine.record)."""
+    t = type(a)
+    if t is Slot:
+        return env[a.i]
+    if isinstance(a, torch.Tensor):
+        return ext_nodes[trace.ext_ids[id(a)]]
+    if t is float or t is complex:
+        return a if spec.structural else scalar(a)
+    if t is int or t is bool:
+        return scalar(a) if scalar_position and not spec.structural else a
+    if t is list or t is tuple:
+        return t(_convert_item(x, spec, trace, ext_nodes, env, scalar) for x in a)
+    return a
+
+
+def _convert_item(a: Any, spec: Any, trace: Trace, ext_nodes: list, env: dict,
+                  scalar: Any) -> Any:
+    t = type(a)
+    if t is Slot:
+        return env[a.i]
+    if isinstance(a, torch.Tensor):
+        return ext_nodes[trace.ext_ids[id(a)]]
+    if (t is float or t is complex) and not spec.structural:
+        return scalar(a)
+    return a
+
+
+def _bind(slots: Any, node: fx.Node, env: dict, g: fx.Graph) -> None:
+    if type(slots) is int:
+        env[slots] = node
+    elif slots is not None:
+        for i, s in enumerate(slots):
+            if s is None:
+                continue
+            item = g.call_function(operator.getitem, (node, i))
+            if type(s) is int:
+                env[s] = item
+            else:
+                _bind(s, item, env, g)
