@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from adaptive_eager import config
+from adaptive_eager.aside import Presence
 from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
 from adaptive_eager.cache.memory import META_CACHE, TRIE
 from adaptive_eager.compiler import _managers, reset_managers
@@ -23,7 +24,7 @@ log = logging.getLogger("adaptive_eager")
 
 class _ThreadState(threading.local):
     engine: Engine | None = None
-    modes: tuple[Any, ...] = ()
+    presence: Presence | None = None
     depth: int = 0
     enabled_ctx: "EngineContext | None" = None
 
@@ -49,10 +50,10 @@ class EngineContext:
             logging.getLogger("adaptive_eager").setLevel(self.options.log_level)
             install_parameter_patch()
             engine = Engine(self.options)
-            modes = (ReadGuardMode(engine), DeferMode(engine))
-            for m in modes:
-                m.__enter__()
-            st.engine, st.modes = engine, modes
+            presence = engine.presence = Presence(engine, (ReadGuardMode(engine),
+                                                           DeferMode(engine)))
+            presence.activate()
+            st.engine, st.presence = engine, presence
         st.depth += 1
         self._entered.append(outer)
         return self
@@ -72,9 +73,9 @@ class EngineContext:
         finally:
             st.depth -= 1
             if outer:
-                for m in reversed(st.modes):
-                    m.__exit__(None, None, None)
-                st.engine, st.modes = None, ()
+                if st.presence is not None:
+                    st.presence.close()
+                st.engine, st.presence = None, None
                 write_run_log(self.options)
 
 
@@ -125,6 +126,8 @@ def sync() -> None:
     """Run every op this thread has deferred so far."""
     if _state.engine is not None:
         _state.engine.flush("sync")
+        if _state.presence is not None:
+            _state.presence.safe_point()
 
 
 def metrics() -> dict[str, Any]:

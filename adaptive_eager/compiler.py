@@ -41,6 +41,10 @@ log = logging.getLogger("adaptive_eager")
 ENGINE_VERSION = "0.1.0"
 MEASURE_RUNS = 3  # timed fused runs before deciding
 MIN_OPS = 2  # a one-op trace has nothing to fuse
+MIN_DECISIONS = 3  # traces measured before the engine may step aside
+RECORD_S = 6e-6  # recording cost per op over eager's own (benchmarks/op_overhead.py measures it)
+NO_REPEAT_FLUSHES = 300  # flushes after which a hit rate under 5% means traces do not repeat
+PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
 KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of replay time
 _HISTORY = 8
 
@@ -86,8 +90,11 @@ class CompileManager:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
-        self.decided = 0
-        self.kept = 0
+        self.decided: list[TraceEntry] = []
+        self.flushes = 0
+        self.hits = 0
+        self.probe_start: int | None = None
+        self.kept_at_probe = 0
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
@@ -202,12 +209,11 @@ class CompileManager:
     def _decide(self, entry: TraceEntry) -> None:
         fused = _median(entry.fused_s)
         replay = _median(entry.replay_s) if entry.replay_s else float("inf")
-        self.decided += 1
+        self.decided.append(entry)
         if fused <= KEEP_RATIO * replay:
             entry.state = "fused"
             entry.decision = f"fused: {fused * 1e3:.3f} ms vs op-by-op {replay * 1e3:.3f} ms"
             M.kept_fused += 1
-            self.kept += 1
         else:
             entry.state = "replay"
             entry.decision = (f"op-by-op: fused {fused * 1e3:.3f} ms is not faster than "
@@ -216,6 +222,41 @@ class CompileManager:
             M.kept_replay += 1
         log.info("adaptive_eager: trace %s: %s", entry.digest[:12], entry.decision)
         self.save_stats(entry)
+
+    # ---- stepping aside (Note [stepping aside] in aside.py) -----------------------------------
+    def note_flush(self, hit: bool) -> None:
+        self.flushes += 1
+        self.hits += hit
+
+    def step_aside_reason(self) -> str | None:
+        """Why the engine should leave the mode stack, or None while something gains."""
+        if not self.options.step_aside or not self.backend.compiles:
+            return None
+        if self.probe_start is not None:
+            if self.flushes - self.probe_start < PROBE_FLUSHES:
+                return None
+            kept = sum(e.state == "fused" for e in self.decided)
+            if kept > self.kept_at_probe:
+                self.probe_start = None
+                return None
+            return f"a probe of {PROBE_FLUSHES} flushes found no new trace worth fusing"
+        if self.flushes >= NO_REPEAT_FLUSHES and self.hits < 0.05 * self.flushes:
+            return f"traces do not repeat ({self.hits} hits in {self.flushes} flushes)"
+        if len(self.decided) < MIN_DECISIONS:
+            return None
+        gain = overhead = 0.0
+        for e in self.decided:
+            overhead += e.n_ops * RECORD_S
+            if e.state == "fused":
+                gain += _median(e.replay_s) - _median(e.fused_s)
+        if gain <= overhead:
+            return (f"{len(self.decided)} traces measured: fusion saves {gain * 1e3:.3f} ms a "
+                    f"round, recording their ops costs {overhead * 1e3:.3f} ms")
+        return None
+
+    def new_probe(self) -> None:
+        self.probe_start = self.flushes
+        self.kept_at_probe = sum(e.state == "fused" for e in self.decided)
 
     def fused_failed(self, entry: TraceEntry, err: BaseException) -> None:
         M.fused_errors += 1

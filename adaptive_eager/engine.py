@@ -74,6 +74,8 @@ class Engine:
         self.lock = threading.RLock()
         self.trace = Trace(self)
         self.compiler = manager_for(options)
+        self.presence: Any = None  # set by the context that activates this engine (aside.py)
+        self._decisions_seen = 0
         self._errors_logged: set[str] = set()
 
     # ---- record (the hot path: one call per deferrable aten op) ----------------------------
@@ -279,6 +281,11 @@ class Engine:
             if entry.state == "new":
                 mgr.observe(entry, tr)
             program = mgr.program_for(entry, tr, live)
+            mgr.note_flush(tr.node is not None and entry.runs > 1)
+            if self.presence is not None and ((mgr.flushes & 31) == 0
+                                              or len(mgr.decided) != self._decisions_seen):
+                self._decisions_seen = len(mgr.decided)
+                self._consider_step_aside()
         if program is not None:
             env = run_fused(mgr, entry, program, tr, self.options.crosscheck)
             if env is not None:
@@ -318,6 +325,23 @@ class Engine:
                              miss.get("cause"), miss.get("where"))
         entry.runs += 1
         return entry
+
+    def _consider_step_aside(self) -> None:
+        try:
+            reason = self.compiler.step_aside_reason()
+            if reason is not None:
+                self.presence.request_aside(reason)
+        except Exception as err:  # bookkeeping must never fail the user's program
+            self._internal_fault(err, "step_aside")
+
+    def _internal_fault(self, err: BaseException, where: str) -> None:
+        kind = f"{type(err).__name__} in {where}"
+        M.engine_errors += 1
+        M.engine_error_kinds[kind] += 1
+        if kind not in self._errors_logged:
+            self._errors_logged.add(kind)
+            log.warning("adaptive_eager: internal error (%s: %s); continuing",
+                        type(err).__name__, err, exc_info=log.isEnabledFor(logging.DEBUG))
 
     # ---- ops that run now -------------------------------------------------------------------
     def run_eager(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict, reason: str,
@@ -371,13 +395,7 @@ class Engine:
 
     def engine_error(self, err: BaseException, spec: OpSpec) -> str:
         """Count an internal fault, log it once per kind, and name the fallback reason."""
-        kind = f"{type(err).__name__} in {spec.name}"
-        M.engine_errors += 1
-        M.engine_error_kinds[kind] += 1
-        if kind not in self._errors_logged:
-            self._errors_logged.add(kind)
-            log.warning("adaptive_eager: internal error (%s: %s); running %s eagerly",
-                        type(err).__name__, err, spec.name, exc_info=log.isEnabledFor(logging.DEBUG))
+        self._internal_fault(err, f"{spec.name} (ran eagerly)")
         return "engine_error"
 
 

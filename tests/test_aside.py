@@ -1,0 +1,74 @@
+"""Stepping aside: the engine leaves the mode stack when measurements say nothing gains.
+
+The decision itself is a timing comparison; these tests pin the measured costs (or the counts)
+so they check the mechanics deterministically, never a machine's speed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager import compiler
+
+
+def _train(steps: int, **options) -> tuple[list[float], list[int]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+    x, y = torch.randn(5, 6), torch.randn(5, 1)
+    losses, intercepted = [], []
+    ctx = ae.adaptive_eager(**options) if options else None
+    if ctx:
+        ctx.__enter__()
+    try:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            intercepted.append(ae.metrics()["ops_intercepted"])
+    finally:
+        if ctx:
+            ctx.__exit__(None, None, None)
+    return losses, intercepted
+
+
+def test_steps_aside_when_recording_costs_more_than_fusion_saves(
+        monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second per op
+    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    ref, _ = _train(30)
+    losses, intercepted = _train(30, hot_after=2, compile_async=False, cache_dir=cache_dir,
+                                 probe_every=10)
+    m = ae.metrics()
+    assert m["step_asides"] >= 1, m
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+    flat = [b - a for a, b in zip(intercepted, intercepted[1:])]
+    assert 0 in flat  # while aside, no op reaches the engine
+    assert flat[-1] > 0  # after probe_every optimizer steps it is back, measuring again
+
+
+def test_steps_aside_when_traces_never_repeat(monkeypatch: pytest.MonkeyPatch,
+                                              cache_dir: Path) -> None:
+    monkeypatch.setattr(compiler, "NO_REPEAT_FLUSHES", 40)
+    lin = torch.nn.Linear(3, 3)
+    with ae.adaptive_eager(cache_dir=cache_dir):
+        for n in range(1, 120):
+            lin(torch.ones(n, 3)).sum().item()  # a new shape every step: nothing repeats
+    m = ae.metrics()
+    assert m["step_asides"] == 1, m
+
+
+def test_replay_backend_never_steps_aside(monkeypatch: pytest.MonkeyPatch,
+                                          cache_dir: Path) -> None:
+    monkeypatch.setattr(compiler, "NO_REPEAT_FLUSHES", 40)
+    lin = torch.nn.Linear(3, 3)
+    with ae.adaptive_eager(cache_dir=cache_dir, backend="replay"):
+        for n in range(1, 80):
+            lin(torch.ones(n, 3)).sum().item()
+    assert ae.metrics()["step_asides"] == 0
