@@ -37,12 +37,15 @@ class Presence:
         self.aside = False
         self.steps_aside = 0
         self._hooks: list[Any] = []
+        self._step_hook: Any = None
 
     def activate(self) -> None:
         if not self.active:
             for m in self.modes:
                 m.__enter__()
             self.active = True
+            if self.engine.options.step_flush and self._step_hook is None:
+                self._step_hook = register_optimizer_step_post_hook(self._after_step)
 
     def deactivate(self) -> None:
         if self.active:
@@ -53,6 +56,9 @@ class Presence:
     def close(self) -> None:
         self.deactivate()
         self._remove_hooks()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     # ---- stepping aside -----------------------------------------------------------------------
     def request_aside(self, reason: str) -> None:
@@ -75,8 +81,12 @@ class Presence:
                         self.engine.options.probe_every)
 
     def _after_step(self, *args: Any) -> None:
+        """After every optimizer step: end the trace there (one trace per training iteration,
+        as torch_xla's mark_step), and drive stepping aside and probing."""
         if threading.get_ident() != self.thread:
             return
+        if self.active and self.pending is None and self._step_hook is not None:
+            self.engine.flush("optimizer_step")
         if self.aside:
             self.steps_aside += 1
             every = self.engine.options.probe_every
@@ -94,10 +104,9 @@ class Presence:
 
     def _install_hooks(self) -> None:
         if not self._hooks:
-            self._hooks = [
-                register_optimizer_step_post_hook(self._after_step),
-                register_module_forward_hook(self._after_forward),
-            ]
+            self._hooks = [register_module_forward_hook(self._after_forward)]
+            if self._step_hook is None:
+                self._step_hook = register_optimizer_step_post_hook(self._after_step)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

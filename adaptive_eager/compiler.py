@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from adaptive_eager.spans import span
 from adaptive_eager import graph as graph_mod
 from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, cache_key, resolve_cache_dir
@@ -64,6 +66,36 @@ def outside_modes() -> Iterator[None]:
         finally:
             for mode in reversed(funcs):
                 torch._C._push_on_torch_function_stack(mode)
+
+
+@contextlib.contextmanager
+def progress(label: str, stream: Any = None) -> Iterator[None]:
+    """On a terminal, show a long compile as it goes (which trace, seconds so far); else quiet."""
+    out = stream if stream is not None else sys.stderr
+    if not getattr(out, "isatty", lambda: False)():
+        yield
+        return
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            elapsed = time.perf_counter() - start
+            if elapsed >= 2.0:
+                out.write(f"\radaptive_eager: compiling {label} ... {elapsed:.0f}s")
+                out.flush()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        elapsed = time.perf_counter() - start
+        if elapsed >= 2.0:
+            out.write(f"\radaptive_eager: compiled {label} in {elapsed:.1f}s\n")
+            out.flush()
 
 
 def _median(xs: list[float]) -> float:
@@ -160,21 +192,26 @@ class CompileManager:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="adaptive_eager-compile")
-            entry.future = self._pool.submit(self._compile, g)
+            entry.future = self._pool.submit(self._compile, g, entry)
         else:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                fut.set_result(self._compile(g))
+                fut.set_result(self._compile(g, entry))
             except BaseException as err:
                 fut.set_exception(err)
             entry.future = fut
             self._compiled(entry)
 
-    def _compile(self, g: graph_mod.TraceGraph) -> tuple[Any, float]:
+    def _compile(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> tuple[Any, float]:
+        """Compile, then store the program on disk (in the worker: a process that ends before
+        using it still leaves it for the next run)."""
         start = time.perf_counter()
-        with outside_modes(), torch.profiler.record_function("adaptive_eager.compile"):
+        label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
+        with outside_modes(), span("adaptive_eager.compile"), progress(label):
             program = self.backend.compile(g)
-        return program, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._store(entry, g, program, seconds)
+        return program, seconds
 
     def _compiled(self, entry: TraceEntry) -> None:
         M.compiles_pending -= 1
@@ -193,7 +230,6 @@ class CompileManager:
         entry.state = "measuring"
         log.info("adaptive_eager: compiled trace %s (%d ops) in %.2fs", entry.digest[:12],
                  entry.n_ops, seconds)
-        self._store(entry)
 
     # ---- measuring and deciding ---------------------------------------------------------------
     def record_fused(self, entry: TraceEntry, seconds: float) -> None:
@@ -292,20 +328,20 @@ class CompileManager:
                          engine=ENGINE_VERSION, backend=self.backend.options_key(),
                          flags=_flags())
 
-    def _store(self, entry: TraceEntry) -> None:
+    def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
+               seconds: float) -> None:
         if self.disk is None:
             return
         try:
             with outside_modes():
-                data = self.backend.serialize(entry.program)
+                data = self.backend.serialize(program)
         except Exception as err:
             M.disk_errors += 1
             log.info("adaptive_eager: program of %s not serializable: %s", entry.digest[:12], err)
             return
-        g = entry.graph
         self.disk.put_program(self._program_key(entry, g), torch.__version__, self.backend.name,
-                              data, {"n_ops": entry.n_ops, "compile_s": entry.compile_s})
-        self.save_stats(entry)
+                              data, {"n_ops": g.n_ops, "compile_s": seconds})
+        self.save_stats(entry, hot=True)
 
     def _from_disk(self, entry: TraceEntry, trace: Trace, live: list[int]) -> bool:
         """Load a program (or a past decision) for this trace from the disk cache."""
@@ -335,7 +371,7 @@ class CompileManager:
             M.disk_misses += 1
             return False
         try:
-            with outside_modes(), torch.profiler.record_function("adaptive_eager.load"):
+            with outside_modes(), span("adaptive_eager.load"):
                 program = self.backend.load(value["artifact"], g)
         except Exception as err:
             M.disk_errors += 1
@@ -350,11 +386,11 @@ class CompileManager:
         entry.decision = stats.get("decision", "") + " (loaded)"
         return True
 
-    def save_stats(self, entry: TraceEntry) -> None:
+    def save_stats(self, entry: TraceEntry, hot: bool = False) -> None:
         if self.disk is None:
             return
         self.disk.put_stats(entry.digest, {
-            "torch": torch.__version__, "hot": entry.runs >= self.options.hot_after
+            "torch": torch.__version__, "hot": hot or entry.runs >= self.options.hot_after
             or entry.was_hot, "decision": entry.decision, "varying": sorted(entry.varying),
             "replay_ms": entry.summary()["replay_ms"], "fused_ms": entry.summary()["fused_ms"],
             "compile_s": entry.compile_s, "n_ops": entry.n_ops, "runs": entry.runs,

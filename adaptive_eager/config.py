@@ -101,6 +101,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Compile in a background thread while the program keeps running op by op."),
     Setting("step_aside", "ADAPTIVE_EAGER_STEP_ASIDE", _parse_bool, True,
             "Leave the mode stack when measurements show no trace gains from fusion."),
+    Setting("step_flush", "ADAPTIVE_EAGER_STEP_FLUSH", _parse_bool, True,
+            "End the trace after every optimizer step, so each training iteration is one "
+            "trace that repeats (like torch_xla's mark_step)."),
     Setting("probe_every", "ADAPTIVE_EAGER_PROBE_EVERY", _parse_nonneg_int, 2000,
             "After stepping aside, re-enter to probe again after this many sync points "
             "(0: never)."),
@@ -127,6 +130,7 @@ class Options:
     crosscheck: bool = False
     compile_async: bool = True
     step_aside: bool = True
+    step_flush: bool = True
     probe_every: int = 2000
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
 from adaptive_eager.config import Options
 from adaptive_eager.dispatch.lazy import (
@@ -76,6 +77,7 @@ class Engine:
         self.compiler = manager_for(options)
         self.presence: Any = None  # set by the context that activates this engine (aside.py)
         self._decisions_seen = 0
+        self._after_warmup = False  # the last flush ended a warm-up fragment
         self._errors_logged: set[str] = set()
 
     # ---- record (the hot path: one call per deferrable aten op) ----------------------------
@@ -144,12 +146,14 @@ class Engine:
         else:
             if node is not None:
                 tr.leave_trie()
-                tr.miss = explain_miss(node, key_t)
-                tr.miss["where"] = user_frame()
+                where = user_frame()
+                tr.miss = explain_miss(node, key_t, where)
+            else:
+                where = user_frame()
             out_spec = self._metadata(op, spec, args, kwargs)
             tr.off_keys.append(key_t)
             tr.off_outs.append(out_spec)
-            tr.off_where.append(user_frame())
+            tr.off_where.append(where)
         out, slots = _outputs(out_spec, args, tr)
         tr.ops.append((op, tuple(margs), kwargs, slots))
         M.ops_deferred += 1
@@ -255,11 +259,13 @@ class Engine:
             if tr.ext or tr.node is not tr.start:
                 self.trace = Trace(self)
             return
-        with self.lock:
+        with self.lock, span("adaptive_eager.flush"):
             self.trace = Trace(self)
             M.flushes += 1
             M.flush_reasons[reason] += 1
-            entry = self._finish(tr)
+            warmup = reason.startswith("new_op:")
+            entry = self._finish(tr, warmup or self._after_warmup)
+            self._after_warmup = warmup
             live = live_slots(tr)
             try:
                 env = self._execute(entry, tr, live)
@@ -291,13 +297,13 @@ class Engine:
             if env is not None:
                 return env
         start = time.perf_counter()
-        with torch.profiler.record_function("adaptive_eager.replay"):
+        with span("adaptive_eager.replay"):
             env = replay(tr, live, self.check)
         mgr.record_replay(entry, time.perf_counter() - start)
         M.replayed_runs += 1
         return env
 
-    def _finish(self, tr: Trace) -> TraceEntry:
+    def _finish(self, tr: Trace, warmup: bool) -> TraceEntry:
         """Note the trace in the trie: a hit if it ended where a known trace ended."""
         node = tr.node
         if node is None:
@@ -318,6 +324,10 @@ class Engine:
                     TRIE.clear()
                 entry = TRIE.add_entry(node, len(tr.ops))
             miss = tr.miss
+            if miss is not None and warmup:
+                # Cut short by (or right after) learning a new op's metadata: a warm-up fragment,
+                # not a trace that varies.
+                miss = {**miss, "cause": "new"}
             if miss is not None:
                 RUN_LOG.add_miss(entry.digest, len(tr.ops), miss)
                 if log.isEnabledFor(logging.INFO):

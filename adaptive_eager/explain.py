@@ -97,22 +97,29 @@ def diff_keys(old: tuple, new: tuple) -> dict:
     return {"cause": "unknown"}
 
 
-def explain_miss(node: Any, key: tuple) -> dict:
-    """What differed at the op where a trace left the trie (node = last shared node)."""
-    siblings = list(node.children)
+def explain_miss(node: Any, key: tuple, where: str) -> dict:
+    """What differed at the op where a trace left the trie (node = last shared node).
+
+    Traces are compared with the known ones that went on from the same node; at the start of a
+    trace only those recorded from the same source line count (the same call site), so two
+    unrelated traces that happen to start with the same op are not reported as one varying.
+    """
+    siblings = [(k, n) for k, n in node.children.items()
+                if node.depth > 0 or n.where is None or n.where == where]
     op = key[0]
-    same_op = [k for k in siblings if k[0] == op]
+    same_op = [k for k, _ in siblings if k[0] == op]
     if same_op:
         best = min(same_op, key=lambda k: _distance(k, key))
         info = diff_keys(best, key)
     elif siblings:
-        info = {"cause": "op", "old": sorted({_op_name(k[0]) for k in siblings})[:3],
+        info = {"cause": "op", "old": sorted({_op_name(k[0]) for k, _ in siblings})[:3],
                 "new": _op_name(op)}
     else:
         info = {"cause": "new" if node.depth == 0 else "extended"}
     info["op"] = _op_name(op)
     info["index"] = node.depth
     info["prefix"] = node.digest.hex()[:16]
+    info["where"] = where
     return info
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import TraceEntry
 from adaptive_eager.dispatch.lazy import meta_of
 from adaptive_eager.execute import ReplayGuard, replay
@@ -23,7 +24,7 @@ from adaptive_eager.trace import Trace
 
 
 def _call(program: Any, inputs: list[Any]) -> Any:
-    with torch.profiler.record_function("adaptive_eager.fused"):
+    with span("adaptive_eager.fused"):
         return program(*inputs)
 
 
@@ -51,6 +52,7 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
         return None
     mgr.record_fused(entry, time.perf_counter() - start)
     M.compiled_runs += 1
+    M.ops_fused += len(tr.ops)
     env: list[Any] = [None] * tr.n_slots
     for s, out in zip(g.live, outs):
         env[s] = out

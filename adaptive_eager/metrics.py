@@ -11,7 +11,7 @@ class Metrics:
         "ops_intercepted", "ops_deferred", "ops_eager", "flushes", "trace_hits", "trace_misses",
         "fallbacks", "meta_misses", "engine_errors", "replay_errors", "flush_reasons",
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
-        "compile_errors", "compiled_runs", "replayed_runs", "disk_hits", "disk_misses",
+        "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
     )
 
@@ -35,6 +35,7 @@ class Metrics:
         self.compile_errors = 0  # a backend raised while compiling (the trace stays op by op)
         self.compiled_runs = 0  # flushes that ran a fused program
         self.replayed_runs = 0  # flushes that ran op by op
+        self.ops_fused = 0  # deferred ops that ran inside fused programs
         self.disk_hits = 0  # compiled programs loaded from the disk cache
         self.disk_misses = 0
         self.disk_errors = 0  # unreadable/foreign entries, failed writes, refused folders

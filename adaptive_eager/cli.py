@@ -1,0 +1,211 @@
+"""The ``adaptive-eager`` command: run scripts under the engine, explain and manage the cache."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from adaptive_eager import config
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'500M', '2G', '1048576' -> bytes."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use a number with K, M, G or T")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def _cache_dir(arg: str | None) -> Path:
+    from adaptive_eager.cache.disk import resolve_cache_dir
+
+    return Path(arg).expanduser() if arg else resolve_cache_dir(config.resolve())
+
+
+def _open_disk(arg: str | None) -> Any:
+    from adaptive_eager.cache.disk import DiskCache
+
+    path = _cache_dir(arg)
+    disk = DiskCache.open(path, config.resolve().cache_size_mb * 1024 * 1024)
+    if disk is None:
+        raise SystemExit(f"adaptive-eager: cannot use cache folder {path} (see the warning above)")
+    return disk
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from adaptive_eager.launch import run_script
+
+    run_script(ns.script, ns.args)
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from adaptive_eager.report import build_report, format_report
+
+    try:
+        rep = build_report(_cache_dir(ns.cache_dir), run=ns.run, last=ns.last)
+    except LookupError as err:
+        print(f"adaptive-eager: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(rep, indent=2, default=str) if ns.json else format_report(rep))
+    return 0
+
+
+def cmd_explain(ns: argparse.Namespace) -> int:
+    from adaptive_eager.report import explain_trace, format_explain
+
+    try:
+        info = explain_trace(_cache_dir(ns.cache_dir), ns.trace)
+    except LookupError as err:
+        print(f"adaptive-eager: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=2) if ns.json else format_explain(info))
+    return 0
+
+
+def cmd_cache(ns: argparse.Namespace) -> int:
+    disk = _open_disk(ns.cache_dir)
+    raw = disk.raw()
+    try:
+        if ns.action == "ls":
+            kinds: dict[str, int] = {}
+            for key in disk.keys():
+                kind = key.split(":", 1)[0]
+                kinds[kind] = kinds.get(kind, 0) + 1
+                if kind == "program" and not ns.quiet:
+                    value = raw.get(key)
+                    info = value.get("info", {}) if isinstance(value, dict) else {}
+                    size = len(value.get("artifact", b"")) if isinstance(value, dict) else 0
+                    print(f"program {key[8:24]}  backend={value.get('backend', '?')}  "
+                          f"ops={info.get('n_ops', '?')}  {size / 1024:.0f} KiB  "
+                          f"torch={value.get('torch', '?')}")
+            print(f"{disk.directory}: " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+                  + f"; {raw.volume() / (1 << 20):.1f} MiB")
+        elif ns.action == "clear":
+            n = raw.clear()
+            print(f"removed {n} entries from {disk.directory}")
+        elif ns.action == "prune":
+            if ns.max_size is None:
+                print("adaptive-eager: cache prune needs --max-size", file=sys.stderr)
+                return 2
+            raw.reset("size_limit", ns.max_size)
+            removed = raw.cull()
+            print(f"removed {removed} entries; {raw.volume() / (1 << 20):.1f} MiB left")
+    finally:
+        disk.close()
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    """Programs, statistics and quarantine marks into one tar.gz (artifacts as raw files)."""
+    disk = _open_disk(ns.cache_dir)
+    raw = disk.raw()
+    manifest = []
+    with tarfile.open(ns.file, "w:gz") as tar:
+        for i, key in enumerate(disk.keys()):
+            value = raw.get(key)
+            if not isinstance(value, dict):
+                continue
+            item = {"key": key, "value": {k: v for k, v in value.items() if k != "artifact"}}
+            if "artifact" in value:
+                name = f"artifacts/{i}.bin"
+                _add_bytes(tar, name, value["artifact"])
+                item["artifact"] = name
+            manifest.append(item)
+        _add_bytes(tar, "manifest.json", json.dumps(manifest, default=str).encode())
+    disk.close()
+    print(f"exported {len(manifest)} entries to {ns.file}")
+    return 0
+
+
+def cmd_import(ns: argparse.Namespace) -> int:
+    """Entries from an export file; compiled programs are code: import only files you trust."""
+    disk = _open_disk(ns.cache_dir)
+    raw = disk.raw()
+    count = 0
+    with tarfile.open(ns.file, "r:gz") as tar:
+        manifest = json.loads(_read(tar, "manifest.json"))
+        for item in manifest:
+            key, value = item["key"], dict(item["value"])
+            if not isinstance(key, str) or not key.split(":", 1)[0] in (
+                    "program", "stats", "quarantine"):
+                continue
+            if "artifact" in item:
+                value["artifact"] = _read(tar, item["artifact"])
+            raw.set(key, value)
+            count += 1
+    disk.close()
+    print(f"imported {count} entries into {disk.directory}")
+    return 0
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _read(tar: tarfile.TarFile, name: str) -> bytes:
+    f = tar.extractfile(name)
+    if f is None:
+        raise SystemExit(f"adaptive-eager: {name} missing from the export file")
+    return f.read()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="adaptive-eager", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run a Python script with the engine on")
+    r.add_argument("script")
+    r.add_argument("args", nargs=argparse.REMAINDER)
+    r.set_defaults(fn=cmd_run)
+    for name, fn, helptext in (("report", cmd_report, "what the cache hit, missed, and why"),
+                               ("explain", cmd_explain, "the ops of one trace and its history")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--cache-dir", default=None)
+        s.add_argument("--json", action="store_true", help="machine-readable output")
+        s.set_defaults(fn=fn)
+        if name == "report":
+            g = s.add_mutually_exclusive_group()
+            g.add_argument("--run", default=None, help="a run id (or its prefix)")
+            g.add_argument("--last", action="store_true", help="only the newest run")
+        else:
+            s.add_argument("trace", help="a trace id (or its prefix)")
+    c = sub.add_parser("cache", help="list, clear or prune the disk cache")
+    c.add_argument("action", choices=("ls", "clear", "prune"))
+    c.add_argument("--max-size", type=parse_size, default=None, help="for prune, e.g. 500M")
+    c.add_argument("--cache-dir", default=None)
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(fn=cmd_cache)
+    for name, fn in (("export", cmd_export), ("import", cmd_import)):
+        s = sub.add_parser(name, help=f"{name} a warm cache as one file")
+        s.add_argument("file")
+        s.add_argument("--cache-dir", default=None)
+        s.set_defaults(fn=fn)
+    return p
+
+
+def main(argv: list[str] | None = None, default_command: str | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if default_command and (not args or args[0] not in (
+            "run", "report", "explain", "cache", "export", "import", "-h", "--help")):
+        args = [default_command, *args]
+    ns = build_parser().parse_args(args)
+    try:
+        return int(ns.fn(ns) or 0)
+    except config.ConfigError as err:
+        print(f"adaptive-eager: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

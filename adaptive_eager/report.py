@@ -1,0 +1,164 @@
+"""``adaptive-eager report`` and ``explain``: what the cache did in each run, and why it missed."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from adaptive_eager.events import read_runs
+from adaptive_eager.explain import advice
+
+_FIRST_SIGHT = ("new", "extended")
+
+
+def _pct(num: float, den: float) -> float:
+    return round(100.0 * num / den, 1) if den else 0.0
+
+
+def summarize_run(records: list[dict]) -> dict:
+    """One run's figures, from its run-log records."""
+    head = records[0]
+    m = head.get("metrics", {})
+    traces = [r for r in records if r.get("type") == "trace"]
+    misses = [r for r in records if r.get("type") == "miss"]
+    hits, missed = m.get("trace_hits", 0), m.get("trace_misses", 0)
+    saved = []
+    for t in traces:
+        if t.get("replay_ms") is not None and t.get("fused_ms") is not None:
+            per_run = t["replay_ms"] - t["fused_ms"]
+            saved.append({**_trace_row(t), "saved_ms": round(per_run * t.get("fused_runs", 0), 3)})
+    saved.sort(key=lambda r: r["saved_ms"], reverse=True)
+    causes = [_miss_row(r) for r in misses if r.get("cause") not in _FIRST_SIGHT]
+    causes.sort(key=lambda r: r["count"], reverse=True)
+    return {
+        "run_id": head.get("run_id"), "argv": head.get("argv"),
+        "seconds": round(head.get("end", 0) - head.get("start", 0), 3),
+        "trace_hit_rate": _pct(hits, hits + missed), "trace_hits": hits, "trace_misses": missed,
+        "ops_deferred": m.get("ops_deferred", 0), "ops_fused": m.get("ops_fused", 0),
+        "fused_share": _pct(m.get("ops_fused", 0), m.get("ops_deferred", 0)),
+        "ops_eager": m.get("ops_eager", 0), "compiles": m.get("compiles", 0),
+        "compile_seconds": round(m.get("compile_seconds", 0.0), 3),
+        "disk_hits": m.get("disk_hits", 0), "disk_errors": m.get("disk_errors", 0),
+        "fallbacks": m.get("fallbacks", 0), "step_asides": m.get("step_asides", 0),
+        "top_traces": saved[:10],
+        "traces": [_trace_row(t) for t in traces[:50]],
+        "flush_reasons": dict(Counter(m.get("flush_reasons", {})).most_common(12)),
+        "fallback_ops": dict(Counter(m.get("fallback_ops", {})).most_common(12)),
+        "first_sight_misses": sum(r.get("count", 0) for r in misses
+                                  if r.get("cause") in _FIRST_SIGHT),
+        "miss_causes": causes[:30],
+    }
+
+
+def _trace_row(t: dict) -> dict:
+    return {k: t.get(k) for k in ("trace", "runs", "hits", "n_ops", "state", "decision",
+                                  "replay_ms", "fused_ms", "compile_s", "fused_runs")}
+
+
+def _miss_row(r: dict) -> dict:
+    values = r.get("values", [])
+    info = dict(r)
+    if r.get("cause") == "shape" and values:
+        nums = [v for v in values if isinstance(v, int)]
+        if nums:
+            info["old"], info["new"] = min(nums), max(nums)
+    return {"cause": r.get("cause"), "op": r.get("op"), "arg": r.get("arg"), "dim": r.get("dim"),
+            "old": r.get("old"), "new": r.get("new"), "values": values, "where": r.get("where"),
+            "count": r.get("count", 1), "index": r.get("index"), "traces": r.get("traces", []),
+            "advice": advice(info, r.get("where") or "")}
+
+
+def build_report(cache_dir: Path, run: str | None = None, last: bool = False) -> dict:
+    runs = read_runs(cache_dir)
+    if run is not None:
+        runs = [r for r in runs if r[0].get("run_id", "").startswith(run)]
+        if not runs:
+            raise LookupError(f"no run {run!r} in {cache_dir / 'runs'}")
+    elif last:
+        runs = runs[-1:]
+    summaries = [summarize_run(r) for r in runs]
+    return {"cache_dir": str(cache_dir), "runs": summaries, "overall": _overall(summaries)}
+
+
+def _overall(runs: list[dict]) -> dict:
+    hits = sum(r["trace_hits"] for r in runs)
+    misses = sum(r["trace_misses"] for r in runs)
+    deferred = sum(r["ops_deferred"] for r in runs)
+    fused = sum(r["ops_fused"] for r in runs)
+    return {"runs": len(runs), "trace_hit_rate": _pct(hits, hits + misses),
+            "fused_share": _pct(fused, deferred), "compiles": sum(r["compiles"] for r in runs),
+            "compile_seconds": round(sum(r["compile_seconds"] for r in runs), 3),
+            "disk_hits": sum(r["disk_hits"] for r in runs)}
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"adaptive_eager report ({rep['cache_dir']})"]
+    if not rep["runs"]:
+        lines.append("  no runs recorded yet: run a program under the engine first")
+        return "\n".join(lines)
+    for r in rep["runs"]:
+        lines += _format_run(r)
+    o = rep["overall"]
+    lines.append(f"overall: {o['runs']} runs, trace hit rate {o['trace_hit_rate']}%, "
+                 f"{o['fused_share']}% of deferred ops fused, {o['compiles']} compiles "
+                 f"({o['compile_seconds']} s), {o['disk_hits']} disk hits")
+    return "\n".join(lines)
+
+
+def _format_run(r: dict) -> list[str]:
+    argv = " ".join(r.get("argv") or [])
+    out = [f"run {r['run_id']}  ({argv}, {r['seconds']} s)",
+           f"  traces: hit rate {r['trace_hit_rate']}% ({r['trace_hits']} hits, "
+           f"{r['trace_misses']} misses, {r['first_sight_misses']} of them first sight)",
+           f"  ops: {r['ops_deferred']} deferred, {r['ops_fused']} ran fused "
+           f"({r['fused_share']}%), {r['ops_eager']} ran at once, {r['fallbacks']} fallbacks",
+           f"  compiles: {r['compiles']} ({r['compile_seconds']} s), disk hits {r['disk_hits']}, "
+           f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x"]
+    if r["top_traces"]:
+        out.append("  top traces by time saved:")
+        out.append(f"    {'trace':14} {'runs':>5} {'ops':>5} {'op-by-op ms':>12} {'fused ms':>9} "
+                   f"{'saved ms':>9}  decision")
+        for t in r["top_traces"]:
+            out.append(f"    {t['trace'][:12]:14} {t['runs']:>5} {t['n_ops']:>5} "
+                       f"{t['replay_ms'] or 0:>12.3f} {t['fused_ms'] or 0:>9.3f} "
+                       f"{t['saved_ms']:>9.3f}  {t['decision']}")
+    if r["flush_reasons"]:
+        out.append("  flush reasons: " + ", ".join(f"{k} x{v}" for k, v in
+                                                    r["flush_reasons"].items()))
+    if r["fallback_ops"]:
+        out.append("  fallbacks by op: " + ", ".join(f"{k} x{v}" for k, v in
+                                                      r["fallback_ops"].items()))
+    if r["miss_causes"]:
+        out.append("  misses by cause (diff against the nearest known trace):")
+        for m in r["miss_causes"]:
+            what = f"{m['arg']}" + (f" dim {m['dim']}" if m.get("dim") is not None else "")
+            out.append(f"    {m['cause']:7} {m['op']} {what}: {m['old']} -> {m['new']} "
+                       f"at op {m['index']} ({m['count']}x) at {m['where']}")
+            out.append(f"      advice: {m['advice']}")
+    return out
+
+
+def explain_trace(cache_dir: Path, prefix: str) -> dict:
+    """The ops of a trace (with source lines) and its history across runs."""
+    found: dict | None = None
+    history = []
+    for run in read_runs(cache_dir):
+        for rec in run:
+            if rec.get("type") == "trace" and rec.get("trace", "").startswith(prefix):
+                found = rec
+                history.append({"run_id": rec.get("run_id"), **_trace_row(rec)})
+    if found is None:
+        raise LookupError(f"no trace starting with {prefix!r} in the run logs of {cache_dir}")
+    return {"trace": found["trace"], "n_ops": found.get("n_ops"), "ops": found.get("ops", []),
+            "history": history}
+
+
+def format_explain(info: dict) -> str:
+    lines = [f"trace {info['trace']} ({info['n_ops']} ops)"]
+    for i, (op, where) in enumerate(info["ops"]):
+        lines.append(f"  {i:4} {op:40} {where}")
+    lines.append("history:")
+    for h in info["history"]:
+        lines.append(f"  run {h['run_id']}: {h['runs']} runs, {h['hits']} hits, state {h['state']}"
+                     f", {h['decision'] or 'no decision'}")
+    return "\n".join(lines)
+
