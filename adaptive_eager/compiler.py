@@ -43,9 +43,10 @@ log = logging.getLogger("adaptive_eager")
 ENGINE_VERSION = "0.1.0"
 MEASURE_RUNS = 3  # timed fused runs before deciding
 MIN_OPS = 2  # a one-op trace has nothing to fuse
-MIN_DECISIONS = 3  # traces measured before the engine may step aside
+MIN_DECISIONS = 1  # traces measured before the engine may step aside
 RECORD_S = 6e-6  # recording cost per op over eager's own (benchmarks/op_overhead.py measures it)
 NO_REPEAT_FLUSHES = 300  # flushes after which a hit rate under 5% means traces do not repeat
+NO_REPEAT_OPS = 5000  # ops after which mostly-new metadata means shapes never settle
 PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
 KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of replay time
 _HISTORY = 8
@@ -210,6 +211,8 @@ class CompileManager:
         with outside_modes(), span("adaptive_eager.compile"), progress(label):
             program = self.backend.compile(g)
         seconds = time.perf_counter() - start
+        M.compiles += 1  # counted here: a process may end before a flush picks the program up
+        M.compile_seconds += seconds
         self._store(entry, g, program, seconds)
         return program, seconds
 
@@ -223,8 +226,6 @@ class CompileManager:
             return
         finally:
             entry.future = None
-        M.compiles += 1
-        M.compile_seconds += seconds
         entry.compile_s = seconds
         entry.program = program
         entry.state = "measuring"
@@ -278,7 +279,10 @@ class CompileManager:
             return f"a probe of {PROBE_FLUSHES} flushes found no new trace worth fusing"
         if self.flushes >= NO_REPEAT_FLUSHES and self.hits < 0.05 * self.flushes:
             return f"traces do not repeat ({self.hits} hits in {self.flushes} flushes)"
-        if len(self.decided) < MIN_DECISIONS:
+        if M.ops_intercepted >= NO_REPEAT_OPS and M.meta_misses >= 0.5 * M.ops_intercepted:
+            return (f"shapes do not settle ({M.meta_misses} of {M.ops_intercepted} ops saw new "
+                    "metadata and ran eagerly)")
+        if len(self.decided) < MIN_DECISIONS or self._undecided_hot():
             return None
         gain = overhead = 0.0
         for e in self.decided:
@@ -289,6 +293,12 @@ class CompileManager:
             return (f"{len(self.decided)} traces measured: fusion saves {gain * 1e3:.3f} ms a "
                     f"round, recording their ops costs {overhead * 1e3:.3f} ms")
         return None
+
+    def _undecided_hot(self) -> bool:
+        """A hot trace still on its way to a decision (compiling or being measured)."""
+        from adaptive_eager.cache.memory import TRIE
+
+        return any(e.state in ("compiling", "measuring") for e in TRIE.entry_list[-200:])
 
     def new_probe(self) -> None:
         self.probe_start = self.flushes
@@ -323,7 +333,7 @@ class CompileManager:
 
     # ---- disk ---------------------------------------------------------------------------------
     def _program_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
-        return cache_key(trace=entry.digest, live=g.live, lifted=g.lifted,
+        return cache_key(trace=entry.digest, live=g.live, lifted=g.lifted, offsets=g.offsets,
                          baked=tuple(zip(g.baked, g.baked_values)), torch=torch.__version__,
                          engine=ENGINE_VERSION, backend=self.backend.options_key(),
                          flags=_flags())

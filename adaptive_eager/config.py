@@ -105,7 +105,7 @@ SETTINGS: tuple[Setting, ...] = (
             "End the trace after every optimizer step, so each training iteration is one "
             "trace that repeats (like torch_xla's mark_step)."),
     Setting("probe_every", "ADAPTIVE_EAGER_PROBE_EVERY", _parse_nonneg_int, 2000,
-            "After stepping aside, re-enter to probe again after this many sync points "
+            "After stepping aside, re-enter to measure again after this many optimizer steps "
             "(0: never)."),
 )
 

@@ -20,7 +20,8 @@ from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
 from adaptive_eager.config import Options
 from adaptive_eager.dispatch.lazy import (
-    LazyTensor, Meta, ValueUnavailable, materialize, meta_of, rebind_aliases, resolve_all,
+    LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of, rebind_aliases,
+    resolve_all,
 )
 from adaptive_eager.dispatch.opspec import OpSpec
 from adaptive_eager.explain import explain_miss, user_frame
@@ -77,7 +78,6 @@ class Engine:
         self.compiler = manager_for(options)
         self.presence: Any = None  # set by the context that activates this engine (aside.py)
         self._decisions_seen = 0
-        self._after_warmup = False  # the last flush ended a warm-up fragment
         self._errors_logged: set[str] = set()
 
     # ---- record (the hot path: one call per deferrable aten op) ----------------------------
@@ -147,7 +147,8 @@ class Engine:
             if node is not None:
                 tr.leave_trie()
                 where = user_frame()
-                tr.miss = explain_miss(node, key_t, where)
+                if not tr.after_warmup:  # fragments cut by learning new ops are not misses
+                    self._note_miss(tr, explain_miss(node, key_t, where))
             else:
                 where = user_frame()
             out_spec = self._metadata(op, spec, args, kwargs)
@@ -257,15 +258,16 @@ class Engine:
         tr = self.trace
         if not tr.ops:
             if tr.ext or tr.node is not tr.start:
-                self.trace = Trace(self)
+                self.trace = tr = Trace(self)
+            if reason.startswith("new_op:"):
+                tr.after_warmup = True
             return
         with self.lock, span("adaptive_eager.flush"):
             self.trace = Trace(self)
             M.flushes += 1
             M.flush_reasons[reason] += 1
-            warmup = reason.startswith("new_op:")
-            entry = self._finish(tr, warmup or self._after_warmup)
-            self._after_warmup = warmup
+            self.trace.after_warmup = reason.startswith("new_op:")
+            entry = self._finish(tr)
             live = live_slots(tr)
             try:
                 env = self._execute(entry, tr, live)
@@ -303,7 +305,14 @@ class Engine:
         M.replayed_runs += 1
         return env
 
-    def _finish(self, tr: Trace, warmup: bool) -> TraceEntry:
+    def _note_miss(self, tr: Trace, miss: dict) -> None:
+        """Log why a trace left the known ones (cold path: once per miss)."""
+        RUN_LOG.add_miss(miss["prefix"], len(tr.ops), miss)
+        if log.isEnabledFor(logging.INFO):
+            log.info("trace miss %s at op %d: %s %s at %s", miss["prefix"][:12], miss["index"],
+                     miss.get("cause"), miss.get("op"), miss.get("where"))
+
+    def _finish(self, tr: Trace) -> TraceEntry:
         """Note the trace in the trie: a hit if it ended where a known trace ended."""
         node = tr.node
         if node is None:
@@ -323,16 +332,7 @@ class Engine:
                                 TRIE.entries)
                     TRIE.clear()
                 entry = TRIE.add_entry(node, len(tr.ops))
-            miss = tr.miss
-            if miss is not None and warmup:
-                # Cut short by (or right after) learning a new op's metadata: a warm-up fragment,
-                # not a trace that varies.
-                miss = {**miss, "cause": "new"}
-            if miss is not None:
-                RUN_LOG.add_miss(entry.digest, len(tr.ops), miss)
-                if log.isEnabledFor(logging.INFO):
-                    log.info("trace miss %s (%d ops): %s at %s", entry.digest[:12], len(tr.ops),
-                             miss.get("cause"), miss.get("where"))
+
         entry.runs += 1
         return entry
 
@@ -365,7 +365,20 @@ class Engine:
             out = op(*rargs, **rkwargs)
             if learn is not None:
                 META_CACHE.put(learn, _out_spec(out, spec.ret_alias))
+        if learn is not None and self.presence is not None and (M.meta_misses & 255) == 0:
+            self._consider_step_aside()
         return rebind_aliases(spec.ret_alias, args, out)
+
+    def run_view(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        """Note [views of real tensors]
+        A view of a real tensor (a batch sliced from a dataset, ``weight.t()``) is made at once:
+        it costs less than recording, reads no data (so needs no flush), and its result enters
+        traces as an external input whose storage offset is not part of the key. Deferred views
+        then only ever have lazy bases, whose offsets follow from the trace itself; so a loop over
+        ``data[i:i + 64]`` is one repeating trace, not a new one per batch."""
+        M.ops_eager += 1
+        with _DisableDispatch(), _DisableFunction():
+            return op(*resolve_all(args), **kwargs)
 
     def run_fallback(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict, why: str) -> Any:
         M.fallbacks += 1
@@ -435,10 +448,12 @@ def _meta_key(items: tuple, spec: OpSpec) -> tuple:
     with _DisableFunction():
         for a in items:
             t = type(a)
-            if t is LazyTensor:
-                out.append(a._ae_meta.mid)
+            if t is LazyTensor and a._ae_real is None:
+                out.append(a._ae_meta.mid)  # pending: its offset matters to views of it
             elif isinstance(a, _Tensor):
-                out.append(meta_of(a).mid)
+                m = a._ae_meta if t is LazyTensor else meta_of(a)
+                # external: offset-free, as in the trace key (Note [views of real tensors])
+                out.append(intern_meta(m.size, m.stride, 0, m.dtype, m.device).mid)
             elif t is list or t is tuple:
                 out.append(_meta_key(tuple(a), spec))
             elif t is float or t is complex or t is int or t is bool:

@@ -42,6 +42,8 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
     if crosscheck:
         return _crosschecked(mgr, entry, program, tr, reals)
     inputs = g.inputs(reals, tr.scalars)
+    if inputs is None:
+        return None  # aliased inputs moved since compiling: this run goes op by op
     start = time.perf_counter()
     try:
         outs = _call(program, inputs)
@@ -81,9 +83,12 @@ def _fix_layouts(mgr: Any, entry: TraceEntry, tr: Trace, env: list, live: tuple)
 def _crosschecked(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
                   reals: list[torch.Tensor]) -> list | None:
     g = entry.graph
-    copies = [t.clone() for t in reals]
+    copies = _clone_preserving_aliases(reals)
+    inputs = g.inputs(copies, tr.scalars)
+    if inputs is None:
+        return None
     try:
-        outs = _call(program, g.inputs(copies, tr.scalars))
+        outs = _call(program, inputs)
     except Exception as err:
         mgr.fused_failed(entry, err)
         return None
@@ -97,6 +102,20 @@ def _crosschecked(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
         mgr.quarantine(entry, "fused result differs from op-by-op replay: " + ", ".join(
             problems[:4]))
     return env
+
+
+def _clone_preserving_aliases(reals: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the inputs that share storage exactly where the originals do."""
+    storages: dict[int, torch.Tensor] = {}
+    out = []
+    for t in reals:
+        st = t.untyped_storage()
+        base = storages.get(st.data_ptr())
+        if base is None:
+            n = st.nbytes() // t.element_size()
+            base = storages[st.data_ptr()] = t.as_strided((n,), (1,), 0).clone()
+        out.append(base.as_strided(t.shape, t.stride(), t.storage_offset()))
+    return out
 
 
 _TOL = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2),

@@ -40,6 +40,8 @@ class Unfusable(Exception):
 class TraceGraph:
     gm: fx.GraphModule
     n_ext: int
+    plan: list[tuple]  # per tensor input: ("t", ext) or ("base", ext, storage numel)
+    offsets: list[tuple[int, int]]  # (ext, storage offset) baked into synthetic-base views
     lifted: tuple[int, ...]  # positions in trace.scalars that are program inputs
     baked: tuple[int, ...]  # positions that are constants in the program
     baked_values: tuple[Any, ...]
@@ -47,8 +49,13 @@ class TraceGraph:
     example_inputs: list[Any]
     n_ops: int
 
-    def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any]:
-        return [*ext_reals, *(_scalar_input(scalars[i]) for i in self.lifted)]
+    def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any] | None:
+        """Program inputs for this run, or None when its aliased inputs moved (then replay)."""
+        tensors = _tensor_inputs(self.plan, ext_reals)
+        if tensors is None or any(ext_reals[i].storage_offset() != off
+                                  for i, off in self.offsets):
+            return None
+        return [*tensors, *(_scalar_input(scalars[i]) for i in self.lifted)]
 
     def scalars_hold(self, scalars: list[Any]) -> bool:
         """Whether this run's baked-in numbers equal the ones compiled in."""
@@ -66,6 +73,64 @@ def _scalar_input(v: Any) -> torch.Tensor:
     raise Unfusable(f"cannot lift a {type(v).__name__} scalar")
 
 
+def _tensor_inputs(plan: list[tuple], reals: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    out = []
+    for item in plan:
+        t = reals[item[1]]
+        if item[0] == "t":
+            out.append(t)
+        else:
+            if _storage_numel(t) != item[2]:
+                return None
+            out.append(t.as_strided((item[2],), (1,), 0))
+    return out
+
+
+def _storage_numel(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes() // t.element_size()
+
+
+def _tensor_placeholders(g: fx.Graph, reals: list[torch.Tensor]
+                         ) -> tuple[list[list[int]], list[tuple], dict[int, fx.Node]]:
+    """Note [synthetic bases]
+    External tensors that share storage (``weight`` and ``weight.t()`` in one trace) cannot be
+    separate program inputs: a write through one must be seen through the other. Such a group
+    enters as one flat view of its storage, and each member is an ``as_strided`` of it inside the
+    graph, so functionalization sees one input with views (as AOTAutograd's synthetic bases)."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(reals):
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    plan: list[tuple] = []
+    bases: dict[int, fx.Node] = {}
+    for members in groups.values():
+        first = members[0]
+        if len(members) == 1:
+            bases[first] = g.placeholder(f"x{first}")
+            plan.append(("t", first))
+            continue
+        if len({reals[i].dtype for i in members}) != 1:
+            raise Unfusable("inputs of different dtypes share storage")
+        plan.append(("base", first, _storage_numel(reals[first])))
+        bases[first] = g.placeholder(f"base{first}")
+    return list(groups.values()), plan, bases
+
+
+def _member_views(g: fx.Graph, reals: list[torch.Tensor], groups: list[list[int]],
+                  bases: dict[int, fx.Node]) -> tuple[list[Any], list[tuple[int, int]]]:
+    nodes: list[Any] = [None] * len(reals)
+    offsets: list[tuple[int, int]] = []
+    for members in groups:
+        if len(members) == 1:
+            nodes[members[0]] = bases[members[0]]
+            continue
+        for i in members:
+            t = reals[i]
+            nodes[i] = g.call_function(aten.as_strided.default, (
+                bases[members[0]], tuple(t.shape), t.stride(), t.storage_offset()))
+            offsets.append((i, t.storage_offset()))
+    return nodes, offsets
+
+
 def ext_reals(trace: Trace) -> list[torch.Tensor]:
     return [t._ae_real if type(t) is LazyTensor else t for t in trace.ext]  # type: ignore[misc]
 
@@ -73,10 +138,12 @@ def ext_reals(trace: Trace) -> list[torch.Tensor]:
 def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
     """The FX graph of ``trace`` returning ``live`` slots; numbers at ``varying`` positions lifted."""
     g = fx.Graph()
-    ext_nodes = [g.placeholder(f"x{i}") for i in range(len(trace.ext))]
+    reals = ext_reals(trace)
     scalars = trace.scalars
     lifted = tuple(i for i in range(len(scalars)) if i in varying)
-    lifted_at = {i: g.placeholder(f"s{i}") for i in lifted}
+    groups, plan, bases = _tensor_placeholders(g, reals)
+    lifted_at = {i: g.placeholder(f"s{i}") for i in lifted}  # placeholders all come first
+    ext_nodes, offsets = _member_views(g, reals, groups, bases)
     baked = tuple(i for i in range(len(scalars)) if i not in varying)
     env: dict[int, fx.Node] = {}
     scalar_pos = [0]
@@ -108,10 +175,12 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
         raise Unfusable(f"live slots {missing} have no producer")
     g.output(tuple(env[s] for s in live))
     gm = fx.GraphModule(torch.nn.Module(), g)
-    reals = ext_reals(trace)
-    return TraceGraph(gm=gm, n_ext=len(trace.ext), lifted=lifted, baked=baked,
-                      baked_values=tuple(scalars[i] for i in baked), live=tuple(live),
-                      example_inputs=[*reals, *(_scalar_input(scalars[i]) for i in lifted)],
+    tensors = _tensor_inputs(plan, reals)
+    assert tensors is not None
+    return TraceGraph(gm=gm, n_ext=len(trace.ext), plan=plan, offsets=offsets, lifted=lifted,
+                      baked=baked, baked_values=tuple(scalars[i] for i in baked),
+                      live=tuple(live),
+                      example_inputs=[*tensors, *(_scalar_input(scalars[i]) for i in lifted)],
                       n_ops=len(trace.ops))
 
 

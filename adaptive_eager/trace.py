@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from adaptive_eager.cache.memory import TRIE, TrieNode
-from adaptive_eager.dispatch.lazy import LazyTensor, meta_of
+from adaptive_eager.dispatch.lazy import LazyTensor, intern_meta, meta_of
 
 _DisableFunction = torch._C.DisableTorchFunction
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.parameter.Buffer)
@@ -50,7 +50,7 @@ class Trace:
     """
 
     __slots__ = ("engine", "ops", "ext", "ext_ids", "groups", "n_slots", "node", "start",
-                 "off_keys", "off_outs", "off_where", "off_node", "refs", "last", "scalars", "miss")
+                 "off_keys", "off_outs", "off_where", "off_node", "refs", "last", "scalars", "after_warmup")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -62,7 +62,7 @@ class Trace:
         self.refs: list[Any] = []
         self.last: list[int] = []
         self.scalars: list[Any] = []
-        self.miss: dict | None = None  # why it left the trie (explain.py), for the run log
+        self.after_warmup = False  # started right after a flush that learned a new op
         self.start: TrieNode = TRIE.root(torch.get_default_dtype())
         self.node: TrieNode | None = self.start  # None once the trace leaves the trie
         self.off_node: TrieNode | None = None  # last trie node before it left
@@ -89,7 +89,10 @@ class Trace:
         group = self.groups.setdefault(addr, len(self.groups))
         self.ext_ids[id(t)] = len(self.ext)
         self.ext.append(t)
-        return ("x", meta.mid, group)
+        # The storage offset is left out: no deferred op's output metadata depends on an
+        # external's offset, since views of real tensors are made at once (engine.run_view).
+        sig = intern_meta(meta.size, meta.stride, 0, meta.dtype, meta.device)
+        return ("x", sig.mid, group)
 
     def touches_storage(self, t: torch.Tensor) -> bool:
         """Whether a real tensor shares storage with an input of this trace (pending writes)."""

@@ -56,6 +56,7 @@ def test_steps_aside_when_recording_costs_more_than_fusion_saves(
 def test_steps_aside_when_traces_never_repeat(monkeypatch: pytest.MonkeyPatch,
                                               cache_dir: Path) -> None:
     monkeypatch.setattr(compiler, "NO_REPEAT_FLUSHES", 40)
+    monkeypatch.setattr(compiler, "NO_REPEAT_OPS", 200)
     lin = torch.nn.Linear(3, 3)
     with ae.adaptive_eager(cache_dir=cache_dir):
         for n in range(1, 120):
@@ -67,6 +68,7 @@ def test_steps_aside_when_traces_never_repeat(monkeypatch: pytest.MonkeyPatch,
 def test_replay_backend_never_steps_aside(monkeypatch: pytest.MonkeyPatch,
                                           cache_dir: Path) -> None:
     monkeypatch.setattr(compiler, "NO_REPEAT_FLUSHES", 40)
+    monkeypatch.setattr(compiler, "NO_REPEAT_OPS", 200)
     lin = torch.nn.Linear(3, 3)
     with ae.adaptive_eager(cache_dir=cache_dir, backend="replay"):
         for n in range(1, 80):

@@ -42,6 +42,11 @@ class DeferMode(TorchDispatchMode):
         eng = self.engine
         policy = spec.policy
         if policy == DEFER:
+            view_arg = spec.view_arg
+            if view_arg is not None and view_arg < len(args):
+                base = args[view_arg]
+                if type(base) is not LazyTensor or base._ae_real is not None:
+                    return eng.run_view(func, spec, args, kwargs)
             try:
                 return eng.record(func, spec, args, kwargs)
             except NeedRun as miss:

@@ -15,6 +15,8 @@ FALLBACK     everything the engine does not model (out= variants, non-aten names
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK = range(7)
@@ -43,7 +45,7 @@ class OpSpec:
     """The per-op facts the hot path needs, computed once (see Note [op policy])."""
 
     __slots__ = ("op", "name", "policy", "reason", "scalar_pos", "scalar_kw", "structural",
-                 "ret_alias", "bool_index")
+                 "ret_alias", "bool_index", "view_arg")
 
     def __init__(self, op: torch._ops.OpOverload) -> None:
         self.op = op
@@ -59,6 +61,7 @@ class OpSpec:
         self.structural = no_tensor_args or base.startswith(_STRUCTURAL_NAMES) or any(
             "float[]" in str(a.type) or "List[float]" in str(a.type) for a in args)
         self.ret_alias = _return_aliases(schema)
+        self.view_arg = _view_arg(schema)
         self.bool_index = op in (_aten.index.Tensor, _aten._unsafe_index.Tensor)
         self.policy, self.reason = _classify(op, schema)
 
@@ -76,6 +79,22 @@ def _return_aliases(schema: torch._C.FunctionSchema) -> tuple[int | None, ...]:
         out.append(writers.get(frozenset(info.before_set)) if info is not None and info.is_write
                    else None)
     return tuple(out)
+
+
+def _view_arg(schema: torch._C.FunctionSchema) -> int | None:
+    """For view ops (a return aliases an argument without writing it): that argument's index.
+
+    Views of real tensors run at once (Note [views of real tensors] in engine.py)."""
+    text = str(schema)
+    rets = text.rsplit(" -> ", 1)[-1]
+    found = re.search(r"Tensor\((\w+)\)", rets)  # Tensor(a) or Tensor(a)[] (split, unbind)
+    if found is None or "!" in rets:
+        return None
+    for i, a in enumerate(schema.arguments):
+        info = a.alias_info
+        if info is not None and not info.is_write and found.group(1) in info.before_set:
+            return i if not a.kwarg_only else None
+    return None
 
 
 def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tuple[int, str]:
