@@ -120,6 +120,9 @@ class CompileManager:
         if options.disk_cache and self.backend.compiles:
             self.disk = DiskCache.open(resolve_cache_dir(options),
                                        options.cache_size_mb * 1024 * 1024)
+            prepare = getattr(self.backend, "prepare", None)
+            if self.disk is not None and prepare is not None:
+                prepare(str(self.disk.directory))
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -187,17 +190,22 @@ class CompileManager:
             return
         entry.graph = g
         entry.program_live = frozenset(live)
+        entry.loaded_state = "measuring"
+        self._start(entry, self._compile, g, entry)
+
+    def _start(self, entry: TraceEntry, work: Any, *args: Any) -> None:
+        """Run a compile or a load in the worker thread (or now, with compile_async off)."""
         entry.state = "compiling"
         M.compiles_pending += 1
         if self.options.compile_async:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="adaptive_eager-compile")
-            entry.future = self._pool.submit(self._compile, g, entry)
+            entry.future = self._pool.submit(work, *args)
         else:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                fut.set_result(self._compile(g, entry))
+                fut.set_result(work(*args))
             except BaseException as err:
                 fut.set_exception(err)
             entry.future = fut
@@ -228,9 +236,9 @@ class CompileManager:
             entry.future = None
         entry.compile_s = seconds
         entry.program = program
-        entry.state = "measuring"
-        log.info("adaptive_eager: compiled trace %s (%d ops) in %.2fs", entry.digest[:12],
-                 entry.n_ops, seconds)
+        entry.state = entry.loaded_state
+        log.info("adaptive_eager: program for trace %s (%d ops) ready after %.2fs",
+                 entry.digest[:12], entry.n_ops, seconds)
 
     # ---- measuring and deciding ---------------------------------------------------------------
     def record_fused(self, entry: TraceEntry, seconds: float) -> None:
@@ -354,7 +362,11 @@ class CompileManager:
         self.save_stats(entry, hot=True)
 
     def _from_disk(self, entry: TraceEntry, trace: Trace, live: list[int]) -> bool:
-        """Load a program (or a past decision) for this trace from the disk cache."""
+        """Start loading a program (or take a past decision) for this trace from the disk cache.
+
+        Loading runs where compiling would (in the worker thread when compile_async is on): the
+        first load in a process imports Inductor, which takes seconds, and the program must not
+        wait for it."""
         if self.disk is None:
             return False
         if self.disk.is_quarantined(entry.digest):
@@ -380,21 +392,26 @@ class CompileManager:
         if value is None:
             M.disk_misses += 1
             return False
+        entry.graph = g
+        entry.program_live = frozenset(live)
+        entry.loaded_state = "fused" if stats.get("decision", "").startswith("fused") \
+            else "measuring"
+        entry.decision = stats.get("decision", "") + " (loaded)"
+        self._start(entry, self._load, value["artifact"], g, entry)
+        return True
+
+    def _load(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry
+              ) -> tuple[Any, float]:
         try:
             with outside_modes(), span("adaptive_eager.load"):
-                program = self.backend.load(value["artifact"], g)
+                program = self.backend.load(data, g)
         except Exception as err:
             M.disk_errors += 1
             log.warning("adaptive_eager: cached program for %s failed to load (%s); "
-                        "recompiling", entry.digest[:12], err)
-            return False
+                        "compiling it instead", entry.digest[:12], err)
+            return self._compile(g, entry)
         M.disk_hits += 1
-        entry.graph = g
-        entry.program = program
-        entry.program_live = frozenset(live)
-        entry.state = "fused" if stats.get("decision", "").startswith("fused") else "measuring"
-        entry.decision = stats.get("decision", "") + " (loaded)"
-        return True
+        return program, 0.0
 
     def save_stats(self, entry: TraceEntry, hot: bool = False) -> None:
         if self.disk is None:

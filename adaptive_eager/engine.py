@@ -380,6 +380,33 @@ class Engine:
         with _DisableDispatch(), _DisableFunction():
             return op(*resolve_all(args), **kwargs)
 
+    def run_host_scalar(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        """Real CPU scalars (Note [host scalars] in mode.py): at once, unless the pending trace
+        reads or writes them (then the order of effects needs the trace)."""
+        if self.trace.ops and self._touches_trace(args, kwargs):
+            try:
+                return self.record(op, spec, args, kwargs)
+            except NeedRun as miss:
+                M.meta_misses += 1
+                return self.run_eager(op, spec, args, kwargs, f"new_op:{spec.name}", miss.key)
+        M.ops_eager += 1
+        with _DisableDispatch(), _DisableFunction():
+            out = op(*args, **kwargs)
+        return rebind_aliases(spec.ret_alias, args, out)
+
+    def run_sync(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+        """``.item()`` and other value reads: flush first only if the pending trace touches the
+        inputs (an untouched real tensor already holds its value)."""
+        if self.trace.ops and self._touches_trace(args, kwargs):
+            return self.run_fallback(op, spec, args, kwargs, "sync")
+        M.fallbacks += 1
+        M.fallback_ops[spec.name] += 1
+        M.ops_eager += 1
+        rargs = resolve_all(args)
+        with _DisableDispatch(), _DisableFunction():
+            out = op(*rargs, **kwargs)
+        return rebind_aliases(spec.ret_alias, args, out)
+
     def run_fallback(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict, why: str) -> Any:
         M.fallbacks += 1
         M.fallback_ops[spec.name] += 1

@@ -152,7 +152,8 @@ def advice(info: dict, where: str) -> str:
     if cause == "wiring":
         return f"{info['arg']} of {op} comes from a different tensor than before{at}"
     if cause == "op":
-        return f"control flow took another path{at}: {op} instead of {', '.join(info['old'])}"
+        return (f"a different op{at}: {op} where earlier runs had {', '.join(info['old'])} "
+                "(control flow, or a dtype/device conversion that was a no-op before)")
     if cause == "device":
         return f"device of {info['arg']} of {op} changed{at}"
     if cause == "new":

@@ -80,14 +80,15 @@ def test_launchers_run_a_script_under_the_engine(tmp_path: Path, cache_dir: Path
 _VARYING = textwrap.dedent("""
     import sys, torch
     kind = sys.argv[1]
-    w = torch.randn(16, 4)
+    ws = {d: torch.randn(16, 4, dtype=d) for d in (torch.float32, torch.float64)}
+    xs = {d: torch.randn(7, 16, dtype=d) for d in (torch.float32, torch.float64)}
     for step in range(8):
         n = 8 if kind == "shape" and step >= 5 else 7
         x = torch.randn(n, 16)
-        dtype = torch.float32 if step < 5 else torch.float64
+        dtype = torch.float64 if kind == "dtype" and step >= 5 else torch.float32
+        w = ws[dtype]
         if kind == "dtype":
-            x = torch.randn(7, 16, dtype=dtype)
-            w = w.to(dtype)
+            x = xs[dtype]
         shift = 1 if step < 5 else 2
         h = torch.tanh(x @ w)  # LINE-MM
         h = torch.roll(h, shift if kind == "scalar" else 1, 0)  # LINE-ROLL

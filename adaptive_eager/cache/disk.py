@@ -75,8 +75,11 @@ class DiskCache:
         import diskcache
 
         self.directory = directory
+        # Every value in its own file (min size 0): written whole, then indexed, so a process
+        # killed mid-write leaves an orphan file, never a half entry.
         self._cache = diskcache.Cache(str(directory), size_limit=size_limit, timeout=5,
-                                      eviction_policy="least-recently-used")
+                                      eviction_policy="least-recently-used",
+                                      disk_min_file_size=0)
 
     @classmethod
     def open(cls, directory: Path, size_limit: int) -> DiskCache | None:

@@ -43,7 +43,7 @@ class TraceEntry:
 
     __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
-                 "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot")
+                 "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -66,6 +66,7 @@ class TraceEntry:
         self.varying: set[int] = set()  # positions of numbers that changed between runs
         self.graph: Any = None  # the TraceGraph the program was built from
         self.was_hot = False  # an earlier process found this trace hot
+        self.loaded_state = "measuring"  # state once the pending compile or load is done
 
     def summary(self) -> dict:
         return {"trace": self.digest, "runs": self.runs, "hits": self.hits, "n_ops": self.n_ops,

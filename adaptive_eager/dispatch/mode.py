@@ -47,6 +47,8 @@ class DeferMode(TorchDispatchMode):
                 base = args[view_arg]
                 if type(base) is not LazyTensor or base._ae_real is not None:
                     return eng.run_view(func, spec, args, kwargs)
+            if is_host_scalar_op(args):
+                return eng.run_host_scalar(func, spec, args, kwargs)
             try:
                 return eng.record(func, spec, args, kwargs)
             except NeedRun as miss:
@@ -69,7 +71,32 @@ class DeferMode(TorchDispatchMode):
             return eng.run_random(func, spec, args, kwargs)
         if policy == INPLACE_VIEW:
             return eng.run_inplace_view(func, spec, args, kwargs)
-        return eng.run_fallback(func, spec, args, kwargs, "sync" if policy == SYNC else "fallback")
+        if policy == SYNC:
+            return eng.run_sync(func, spec, args, kwargs)
+        return eng.run_fallback(func, spec, args, kwargs, "fallback")
+
+
+def is_host_scalar_op(args: tuple) -> bool:
+    """Note [host scalars]
+    Ops whose tensors are all real CPU scalars (optimizer step counters, loss scales) run at once:
+    deferring them costs more than running them, and a later ``.item()`` on them (Adam reads its
+    step counter once per parameter per step) then needs no flush at all."""
+    seen = False
+    for a in args:
+        t = type(a)
+        if t is list or t is tuple:
+            for x in a:
+                if isinstance(x, _T):
+                    if type(x) is LazyTensor or x.numel() > 1 or x.device.type != "cpu":
+                        return False
+                    seen = True
+        elif t is LazyTensor:
+            return False
+        elif isinstance(a, _T):
+            if a.numel() > 1 or a.device.type != "cpu":
+                return False
+            seen = True
+    return seen
 
 
 _DATA_SET = _T.data.__set__
