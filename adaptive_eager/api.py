@@ -10,6 +10,7 @@ from typing import Any
 
 from adaptive_eager import config
 from adaptive_eager.aside import Presence
+from adaptive_eager.calibrate import calibrate
 from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
 from adaptive_eager.cache.memory import META_CACHE, TRIE
 from adaptive_eager.compiler import _managers, reset_managers
@@ -49,6 +50,8 @@ class EngineContext:
         if outer:
             logging.getLogger("adaptive_eager").setLevel(self.options.log_level)
             install_parameter_patch()
+            if self.options.step_aside:
+                calibrate()
             engine = Engine(self.options)
             presence = engine.presence = Presence(engine, (ReadGuardMode(engine),
                                                            DeferMode(engine)))

@@ -44,7 +44,8 @@ ENGINE_VERSION = "0.1.0"
 MEASURE_RUNS = 3  # timed fused runs before deciding
 MIN_OPS = 2  # a one-op trace has nothing to fuse
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
-RECORD_S = 6e-6  # recording cost per op over eager's own (benchmarks/op_overhead.py measures it)
+RECORD_S = 6e-6  # recording cost per op over eager's; measured at start (calibrate.py)
+REPLAY_EXTRA_S = 3e-6  # op-by-op replay's cost per op over eager's; measured at start too
 NO_REPEAT_FLUSHES = 300  # flushes after which a hit rate under 5% means traces do not repeat
 NO_REPEAT_OPS = 5000  # ops after which mostly-new metadata means shapes never settle
 PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
@@ -292,14 +293,15 @@ class CompileManager:
                     "metadata and ran eagerly)")
         if len(self.decided) < MIN_DECISIONS or self._undecided_hot():
             return None
-        gain = overhead = 0.0
+        engine = eager = 0.0  # one run of every decided trace, each way
         for e in self.decided:
-            overhead += e.n_ops * RECORD_S
-            if e.state == "fused":
-                gain += _median(e.replay_s) - _median(e.fused_s)
-        if gain <= overhead:
-            return (f"{len(self.decided)} traces measured: fusion saves {gain * 1e3:.3f} ms a "
-                    f"round, recording their ops costs {overhead * 1e3:.3f} ms")
+            replay = _median(e.replay_s) if e.replay_s else 0.0
+            run = _median(e.fused_s) if e.state == "fused" and e.fused_s else replay
+            engine += run + e.n_ops * RECORD_S
+            eager += max(replay - e.n_ops * REPLAY_EXTRA_S, 0.0)
+        if engine >= eager:
+            return (f"{len(self.decided)} traces measured: under the engine a round takes "
+                    f"{engine * 1e3:.3f} ms, plain eager about {eager * 1e3:.3f} ms")
         return None
 
     def _undecided_hot(self) -> bool:

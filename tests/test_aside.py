@@ -13,6 +13,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import compiler
+from adaptive_eager.calibrate import calibrate
 
 
 def _train(steps: int, **options) -> tuple[list[float], list[int]]:
@@ -40,7 +41,8 @@ def _train(steps: int, **options) -> tuple[list[float], list[int]]:
 
 def test_steps_aside_when_recording_costs_more_than_fusion_saves(
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second per op
+    calibrate()  # measure first, then pin: recording "costs" a second per op
+    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
     monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
     ref, _ = _train(30)
     losses, intercepted = _train(30, hot_after=2, compile_async=False, cache_dir=cache_dir,
