@@ -174,6 +174,17 @@ class Engine:
             return ~idx
         return tr.register(a)
 
+    def _tensor_ref(self, a: torch.Tensor, tr: Trace, n_op: int) -> tuple[Any, Any]:
+        """Key part of a tensor inside a list or kwargs, and its Slot marker if it is pending."""
+        t = type(a)
+        if t is LazyTensor and a._ae_trace is tr and a._ae_real is None:
+            s = a._ae_slot
+            tr.last[s] = n_op
+            return s, SLOTS[s]
+        if t is not LazyTensor and t is not _Tensor and t is not _Parameter:
+            raise Unsupported(f"tensor subclass {t.__name__}")
+        return self._external(a, tr), None
+
     def _key_seq(self, seq: list | tuple, tr: Trace, spec: OpSpec, n_op: int
                  ) -> tuple[tuple, list | tuple]:
         """Key a list argument (tensors, sizes, ScalarList); return it with Slot markers."""
@@ -184,17 +195,12 @@ class Engine:
             if isinstance(a, _Tensor):
                 if spec.bool_index and a.dtype in (torch.bool, torch.uint8):
                     raise RunNow("boolean-mask index (output shape depends on values)")
-                if t is LazyTensor and a._ae_trace is tr and a._ae_real is None:
-                    s = a._ae_slot
-                    key.append(s)
-                    tr.last[s] = n_op
+                k, marker = self._tensor_ref(a, tr, n_op)
+                key.append(k)
+                if marker is not None:
                     if marked is None:
                         marked = list(seq)
-                    marked[j] = SLOTS[s]
-                    continue
-                if t is not LazyTensor and t is not _Tensor and t is not _Parameter:
-                    raise Unsupported(f"tensor subclass {t.__name__}")
-                key.append(self._external(a, tr))
+                    marked[j] = marker
             elif t is float or t is complex:
                 if spec.structural:
                     key.append((t, a))
@@ -213,17 +219,12 @@ class Engine:
             key.append(name)
             t = type(a)
             if isinstance(a, _Tensor):
-                if t is LazyTensor and a._ae_trace is tr and a._ae_real is None:
-                    s = a._ae_slot
-                    key.append(s)
-                    tr.last[s] = n_op
+                k, marker = self._tensor_ref(a, tr, n_op)
+                key.append(k)
+                if marker is not None:
                     if marked is None:
                         marked = dict(kwargs)
-                    marked[name] = SLOTS[s]
-                    continue
-                if t is not LazyTensor and t is not _Tensor and t is not _Parameter:
-                    raise Unsupported(f"tensor subclass {t.__name__}")
-                key.append(self._external(a, tr))
+                    marked[name] = marker
             elif t is float or t is complex or t is int or t is bool:
                 if spec.structural:
                     key.append((t, a))

@@ -51,3 +51,26 @@ def assert_equal_tree(a: Any, b: Any) -> None:
             assert_equal_tree(a[k], b[k])
     else:
         assert a == b, (a, b)
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor, steps: int, options: dict[str, Any] | None = None,
+                each_step: Callable[[], Any] | None = None) -> list[float]:
+    """An ordinary MSE training loop, under the engine when ``options`` is given (even empty)."""
+    losses = []
+    ctx = ae.adaptive_eager(**options) if options is not None else None
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if each_step is not None:
+                each_step()
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return losses

@@ -14,6 +14,7 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager import compiler
 from adaptive_eager.calibrate import calibrate
+from helpers import train_steps
 
 
 def _train(steps: int, **options) -> tuple[list[float], list[int]]:
@@ -21,21 +22,9 @@ def _train(steps: int, **options) -> tuple[list[float], list[int]]:
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
     x, y = torch.randn(5, 6), torch.randn(5, 1)
-    losses, intercepted = [], []
-    ctx = ae.adaptive_eager(**options) if options else None
-    if ctx:
-        ctx.__enter__()
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            intercepted.append(ae.metrics()["ops_intercepted"])
-    finally:
-        if ctx:
-            ctx.__exit__(None, None, None)
+    intercepted: list[int] = []
+    losses = train_steps(model, opt, x, y, steps, options or None,
+                         lambda: intercepted.append(ae.metrics()["ops_intercepted"]))
     return losses, intercepted
 
 

@@ -18,6 +18,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager.cache.memory import TRIE
+from helpers import train_steps
 
 FAST = {"hot_after": 2, "compile_async": False}
 
@@ -57,20 +58,7 @@ def _train(steps: int, **options: Any) -> tuple[list[float], list[torch.Tensor]]
     model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
     x, y = torch.randn(16, 12), torch.randn(16, 3)
-    losses = []
-    ctx = ae.adaptive_eager(**options) if options else None
-    if ctx:
-        ctx.__enter__()
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        if ctx:
-            ctx.__exit__(None, None, None)
+    losses = train_steps(model, opt, x, y, steps, options or None)
     return losses, [p.detach().clone() for p in model.parameters()]
 
 

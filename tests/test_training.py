@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from helpers import assert_equal_tree, eager_and_engine, to_plain
+from helpers import assert_equal_tree, eager_and_engine, to_plain, train_steps
 
 
 def _train(optimizer: str, steps: int = 6, dropout: bool = True) -> dict:
@@ -24,13 +24,7 @@ def _train(optimizer: str, steps: int = 6, dropout: bool = True) -> dict:
     else:
         raise ValueError(optimizer)
     x, y = torch.randn(32, 8), torch.randn(32, 4)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(model, opt, x, y, steps)
     return {
         "losses": losses,
         "params": [to_plain(p) for p in model.parameters()],
