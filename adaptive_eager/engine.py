@@ -250,7 +250,12 @@ class Engine:
                 _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
         out = META_CACHE.get(mkey, _MISSING)
         if out is _MISSING:
-            raise NeedRun(mkey)
+            out = _view_metadata(op, spec, args, kwargs)
+            if out is None:
+                raise NeedRun(mkey)
+            META_CACHE.put(mkey, out)
+        if out is EAGER_ONLY:
+            raise RunNow("its output is not a strided tensor")
         return out
 
     # ---- flush ------------------------------------------------------------------------------
@@ -481,7 +486,7 @@ def _meta_key(items: tuple, spec: OpSpec) -> tuple:
             elif isinstance(a, _Tensor):
                 m = a._ae_meta if t is LazyTensor else meta_of(a)
                 # external: offset-free, as in the trace key (Note [views of real tensors])
-                out.append(intern_meta(m.size, m.stride, 0, m.dtype, m.device).mid)
+                out.append(intern_meta(m.size, m.stride, 0, m.dtype, m.device, m.bits).mid)
             elif t is list or t is tuple:
                 out.append(_meta_key(tuple(a), spec))
             elif t is float or t is complex or t is int or t is bool:
@@ -491,7 +496,28 @@ def _meta_key(items: tuple, spec: OpSpec) -> tuple:
     return tuple(out)
 
 
+def _view_metadata(op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+    """Output metadata of a view of a pending lazy tensor, without running anything.
+
+    A view reads no data, so it runs on the wrappers themselves (Python dispatch off): the
+    result has the view's exact sizes, strides and offset. Without this, a view first seen on a
+    real tensor (made at once, engine.run_view) would need one more eager run once its input
+    became lazy, and chains of them would take a run per level to defer."""
+    if spec.view_arg is None:
+        return None
+    try:
+        with _DisableDispatch(), _DisableFunction():
+            return _out_spec(op(*args, **kwargs), spec.ret_alias)
+    except Exception:
+        return None
+
+
+EAGER_ONLY = "eager-only"  # metadata-cache value: outputs a lazy tensor cannot stand for
+
+
 def _out_spec(out: Any, ret_alias: tuple[int | None, ...]) -> Any:
+    if _non_strided(out):
+        return EAGER_ONLY
     if isinstance(out, _Tensor):
         alias = ret_alias[0] if ret_alias else None
         return alias if alias is not None else meta_of(out)
@@ -499,6 +525,14 @@ def _out_spec(out: Any, ret_alias: tuple[int | None, ...]) -> Any:
         return tuple(i if i is not None else _spec_of(o)
                      for i, o in zip(ret_alias or (None,) * len(out), out))
     return _spec_of(out)
+
+
+def _non_strided(out: Any) -> bool:
+    if isinstance(out, _Tensor):
+        return out.layout is not torch.strided or out.is_quantized or out.is_nested
+    if type(out) is list or type(out) is tuple:
+        return any(_non_strided(o) for o in out)
+    return False
 
 
 def _spec_of(out: Any) -> Any:

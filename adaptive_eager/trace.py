@@ -91,7 +91,7 @@ class Trace:
         self.ext.append(t)
         # The storage offset is left out: no deferred op's output metadata depends on an
         # external's offset, since views of real tensors are made at once (engine.run_view).
-        sig = intern_meta(meta.size, meta.stride, 0, meta.dtype, meta.device)
+        sig = intern_meta(meta.size, meta.stride, 0, meta.dtype, meta.device, meta.bits)
         return ("x", sig.mid, group)
 
     def touches_storage(self, t: torch.Tensor) -> bool:

@@ -18,29 +18,16 @@ import fidelity  # tests/ is on sys.path, as for helpers.py
 
 JOBS = max(1, min(2, os.cpu_count() or 1))
 
-# Ops whose failures are understood and waiting on engine fixes (root causes and suggested fixes:
-# the fidelity report of GitHub issue 6). Delete entries as the fixes land: a listed op that
-# passes fails the test, so the list cannot go stale silently.
+# Ops whose failures are understood (root causes: the fidelity report of issue 6 and the README).
+# A listed op that passes fails the test, so the list cannot go stale silently.
 _SUBCLASS_BACKWARD = (
     "any active TorchDispatchMode makes at::isTensorSubclassLike() true, so autograd picks the "
     "composite-compliant backward formula (prod_backward: cumprod path instead of "
     "grad * result / input; ormqr: out-of-place path, other grad strides)")
-_CONJ_BIT = ("LazyTensor wrappers drop the conj/neg bits: Meta has no is_conj/is_neg, "
-             "so a deferred conj view looks resolved and view_as_real fails at replay")
-_SPARSE_OUT = ("a deferred op with a sparse output gets a strided LazyTensor "
-               "(metadata learning ignores layout)")
 KNOWN_FAILURES: dict[str, str] = {
     "prod": _SUBCLASS_BACKWARD,
     "masked.prod": _SUBCLASS_BACKWARD,
     "ormqr": _SUBCLASS_BACKWARD,
-    "fft.hfft": _CONJ_BIT,
-    "fft.hfft2": _CONJ_BIT,
-    "fft.hfftn": _CONJ_BIT,
-    "fft.ifft": _CONJ_BIT,
-    "fft.ihfft": _CONJ_BIT,
-    "fft.ihfft2": _CONJ_BIT,
-    "fft.ihfftn": _CONJ_BIT,
-    "to_sparse": _SPARSE_OUT,
 }
 
 

@@ -21,25 +21,28 @@ _DisableFunction = torch._C.DisableTorchFunction
 class Meta:
     """Interned tensor metadata: equal metadata is the same object with the same ``mid``."""
 
-    __slots__ = ("size", "stride", "offset", "dtype", "device", "mid", "key")
+    __slots__ = ("size", "stride", "offset", "dtype", "device", "bits", "mid", "key")
 
     def __init__(self, key: tuple, mid: int) -> None:
         self.key = key
-        self.size, self.stride, self.offset, self.dtype, self.device = key
+        self.size, self.stride, self.offset, self.dtype, self.device, self.bits = key
         self.mid = mid
 
     def __repr__(self) -> str:
         return (f"Meta(size={tuple(self.size)}, stride={self.stride}, offset={self.offset}, "
-                f"dtype={self.dtype}, device={self.device})")
+                f"dtype={self.dtype}, device={self.device}, bits={self.bits})")
 
 
 _METAS: dict[tuple, Meta] = {}
 METAS_BY_ID: list[Meta] = []  # mid -> Meta, for explaining keys (reports)
 
 
+CONJ, NEG = 1, 2  # Meta.bits: the conjugate and negative view bits (complex views)
+
+
 def intern_meta(size: Any, stride: tuple, offset: int, dtype: torch.dtype,
-                device: torch.device) -> Meta:
-    key = (tuple(size), tuple(stride), offset, dtype, device)
+                device: torch.device, bits: int = 0) -> Meta:
+    key = (tuple(size), tuple(stride), offset, dtype, device, bits)
     m = _METAS.get(key)
     if m is None:
         m = _METAS[key] = Meta(key, len(_METAS))
@@ -49,7 +52,8 @@ def intern_meta(size: Any, stride: tuple, offset: int, dtype: torch.dtype,
 
 def meta_of(t: torch.Tensor) -> Meta:
     """Metadata of a real tensor (call with torch-function modes off: these are tensor methods)."""
-    return intern_meta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+    bits = (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+    return intern_meta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, bits)
 
 
 class ValueUnavailable(RuntimeError):
@@ -77,6 +81,9 @@ class LazyTensor(torch.Tensor):
         t._ae_slot = slot
         t._ae_meta = meta
         t._ae_error = None
+        if meta.bits:  # a lazy conj/neg view must say so, as eager's would
+            torch._C._set_conj(t, bool(meta.bits & CONJ))
+            torch._C._set_neg(t, bool(meta.bits & NEG))
         return t
 
     def __init__(self, *args: Any) -> None:  # everything happens in __new__
