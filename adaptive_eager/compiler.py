@@ -308,7 +308,7 @@ class CompileManager:
         """A hot trace still on its way to a decision (compiling or being measured)."""
         from adaptive_eager.cache.memory import TRIE
 
-        return any(e.state in ("compiling", "measuring") for e in TRIE.entry_list[-200:])
+        return any(e.state == "compiling" for e in TRIE.entry_list[-200:])
 
     def new_probe(self) -> None:
         self.probe_start = self.flushes
@@ -383,6 +383,10 @@ class CompileManager:
                 torch.__version__:
             entry.state = "replay"
             entry.decision = stats["decision"] + " (earlier run)"
+            if stats.get("replay_ms") and stats.get("fused_ms"):  # counts for stepping aside
+                entry.replay_s = [stats["replay_ms"] / 1e3]
+                entry.fused_s = [stats["fused_ms"] / 1e3]
+                self.decided.append(entry)
             return True
         entry.was_hot = bool(stats.get("hot"))
         entry.varying |= set(stats.get("varying", ()))
@@ -396,8 +400,7 @@ class CompileManager:
             return False
         entry.graph = g
         entry.program_live = frozenset(live)
-        entry.loaded_state = "fused" if stats.get("decision", "").startswith("fused") \
-            else "measuring"
+        entry.loaded_state = "measuring"  # measured again here: this process may differ
         entry.decision = stats.get("decision", "") + " (loaded)"
         self._start(entry, self._load, value["artifact"], g, entry)
         return True
