@@ -124,6 +124,11 @@ class CompileManager:
             prepare = getattr(self.backend, "prepare", None)
             if self.disk is not None and prepare is not None:
                 prepare(str(self.disk.directory))
+            warm_up = getattr(self.backend, "warm_up", None)
+            if self.disk is not None and warm_up is not None and options.compile_async:
+                # A warm cache means programs will load soon: import the compiler now, in the
+                # worker, so the first load does not start from a cold interpreter.
+                self._worker().submit(warm_up)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -199,10 +204,7 @@ class CompileManager:
         entry.state = "compiling"
         M.compiles_pending += 1
         if self.options.compile_async:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="adaptive_eager-compile")
-            entry.future = self._pool.submit(work, *args)
+            entry.future = self._worker().submit(work, *args)
         else:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
@@ -211,6 +213,12 @@ class CompileManager:
                 fut.set_exception(err)
             entry.future = fut
             self._compiled(entry)
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="adaptive_eager-compile")
+        return self._pool
 
     def _compile(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> tuple[Any, float]:
         """Compile, then store the program on disk (in the worker: a process that ends before

@@ -51,6 +51,10 @@ def _build_key() -> bytes:
     return b"AE1" + torch_key()[:32].ljust(32, b"\0")
 
 
+    def warm_up(self) -> None:
+        """Import what loading a program needs (seconds in a fresh interpreter)."""
+        from torch._inductor import compile_fx, standalone_compile  # noqa: F401
+
     def prepare(self, cache_dir: str) -> None:
         """Keep Inductor's compiled kernels next to the programs, unless the user chose a
         folder (TORCHINDUCTOR_CACHE_DIR), so a warm process finds them and runs no compiler."""
