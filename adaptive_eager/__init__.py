@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError", "EngineContext", "LazyTensor", "ValueUnavailable", "adaptive_eager",
-    "clear_caches", "disable", "enable", "is_enabled", "metrics", "reset_metrics", "sync", "wait_for_compiles",
+    "clear_caches", "disable", "enable", "is_enabled", "metrics", "reset_metrics", "sync",
+    "wait_for_compiles",
     "__version__",
 ]

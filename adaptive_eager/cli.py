@@ -136,7 +136,7 @@ def cmd_import(ns: argparse.Namespace) -> int:
         manifest = json.loads(_read(tar, "manifest.json"))
         for item in manifest:
             key, value = item["key"], dict(item["value"])
-            if not isinstance(key, str) or not key.split(":", 1)[0] in (
+            if not isinstance(key, str) or key.split(":", 1)[0] not in (
                     "program", "stats", "quarantine"):
                 continue
             if "artifact" in item:

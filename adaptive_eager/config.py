@@ -96,7 +96,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("disk_cache", "ADAPTIVE_EAGER_DISK_CACHE", _parse_bool, True,
             "Use the disk cache (off: compile in every process)."),
     Setting("crosscheck", "ADAPTIVE_EAGER_CROSSCHECK", _parse_bool, False,
-            "Run every fused execution op by op too and compare; a mismatch quarantines the trace."),
+            "Run every fused execution op by op too and compare; a mismatch quarantines "
+            "the trace."),
     Setting("compile_async", "ADAPTIVE_EAGER_COMPILE_ASYNC", _parse_bool, True,
             "Compile in a background thread while the program keeps running op by op."),
     Setting("step_aside", "ADAPTIVE_EAGER_STEP_ASIDE", _parse_bool, True,

@@ -136,7 +136,8 @@ def ext_reals(trace: Trace) -> list[torch.Tensor]:
 
 
 def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
-    """The FX graph of ``trace`` returning ``live`` slots; numbers at ``varying`` positions lifted."""
+    """The FX graph of ``trace`` returning ``live`` slots, numbers at ``varying`` positions
+    lifted to inputs."""
     g = fx.Graph()
     reals = ext_reals(trace)
     scalars = trace.scalars

@@ -12,7 +12,8 @@ class Metrics:
         "fallbacks", "meta_misses", "engine_errors", "replay_errors", "flush_reasons",
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
-        "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides", "layout_fixes",
+        "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
+        "layout_fixes",
     )
 
     def __init__(self) -> None:
@@ -43,8 +44,8 @@ class Metrics:
         self.fused_errors = 0  # a fused program raised at run time (replayed instead)
         self.kept_fused = 0  # decisions: fused measured faster than replay
         self.kept_replay = 0  # decisions: fused not faster, trace stays op by op
-        self.step_asides = 0
-        self.layout_fixes = 0  # fused outputs copied into the strides eager gives them  # times the engine left the mode stack because nothing gained
+        self.step_asides = 0  # times the engine left the mode stack because nothing gained
+        self.layout_fixes = 0  # fused outputs copied into the strides eager gives them
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
         self.engine_error_kinds: Counter[str] = Counter()

@@ -50,7 +50,8 @@ class Trace:
     """
 
     __slots__ = ("engine", "ops", "ext", "ext_ids", "groups", "n_slots", "node", "start",
-                 "off_keys", "off_outs", "off_where", "off_node", "refs", "last", "scalars", "after_warmup")
+                 "off_keys", "off_outs", "off_where", "off_node", "refs", "last", "scalars",
+                 "after_warmup")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

@@ -68,7 +68,8 @@ def test_flag_unset_does_not_import_the_package(tmp_path: Path, cache_dir: Path)
     assert out == "False"
 
 
-@pytest.mark.parametrize("launcher", [["-m", "adaptive_eager"], ["-m", "adaptive_eager.cli", "run"]])
+@pytest.mark.parametrize("launcher", [["-m", "adaptive_eager"],
+                                      ["-m", "adaptive_eager.cli", "run"]])
 def test_launchers_run_a_script_under_the_engine(tmp_path: Path, cache_dir: Path,
                                                 launcher: list[str]) -> None:
     script = tmp_path / "train.py"

@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 import adaptive_eager as ae

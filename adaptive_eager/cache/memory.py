@@ -143,7 +143,7 @@ class TraceTrie:
 
 
 class MetaCache:
-    """Output metadata of ops already run, keyed by op + input metadata (Note [metadata by running])."""
+    """Output metadata of ops already run, by op + input metadata (Note [metadata by running])."""
 
     def __init__(self) -> None:
         self.table: dict[tuple, OutSpec] = {}

@@ -1,9 +1,10 @@
 """The two modes that intercept a program: aten ops below autograd, Python reads above them.
 
-``DeferMode`` (a TorchDispatchMode) sees every aten op, forward, backward and optimizer, and sends it
-down the path its policy names (dispatch/opspec.py). ``ReadGuardMode`` (a TorchFunctionMode) sees the
-Python-level calls that read a tensor's memory without reaching the dispatcher (print, numpy, tolist,
-data_ptr, storages, pickling, device moves, ``.data =``) and flushes first, so a real tensor with
+``DeferMode`` (a TorchDispatchMode) sees every aten op, forward, backward and optimizer, and
+sends it down the path its policy names (dispatch/opspec.py). ``ReadGuardMode`` (a
+TorchFunctionMode) sees the Python-level calls that read a tensor's memory without reaching the
+dispatcher (print, numpy, tolist, data_ptr, storages, pickling, device moves, ``.data =``) and
+flushes first, so a real tensor with
 deferred in-place writes (an optimizer's parameters) is never read stale (DESIGN trap 12).
 """
 

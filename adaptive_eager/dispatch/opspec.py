@@ -3,13 +3,13 @@
 Note [op policy]
 DEFER        recorded into the trace; outputs are lazy tensors.
 ALLOC        empty/empty_like/...: only metadata is read, so they run at once (no flush) and give
-             real, uninitialised tensors; random in-place fills on them then need no flush (dropout).
-RANDOM       tagged nondeterministic_seeded: run at once, in program order, so the generator advances
+             real, uninitialised tensors; random in-place fills on them need no flush (dropout).
+RANDOM       tagged nondeterministic_seeded: run at once, in program order, so the generator moves
              exactly as in eager (DESIGN trap 11). A flush first only if an input is still pending.
 PASSTHROUGH  metadata-only or bookkeeping ops (profiler ranges, lift_fresh): run at once, no flush.
-INPLACE_VIEW t_/squeeze_/resize_/set_/as_strided_: change a tensor's metadata, which a wrapper cannot
+INPLACE_VIEW t_/squeeze_/resize_/set_/as_strided_ change a tensor's metadata, which a wrapper can't
              follow lazily (trap 3): flush, run, then refresh the wrapper's sizes.
-SYNC         the result is a Python value or its shape depends on data (item, nonzero, equal): flush.
+SYNC         the result is a Python value or its shape depends on data (item, nonzero): flush.
 FALLBACK     everything the engine does not model (out= variants, non-aten namespaces, storages).
 """
 
