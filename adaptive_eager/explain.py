@@ -31,10 +31,6 @@ def user_frame(depth: int = 2) -> str:
     return "<unknown>"
 
 
-def _op_name(op: Any) -> str:
-    return str(op)
-
-
 def _meta_text(mid: int) -> str:
     m = METAS_BY_ID[mid]
     return f"{m.dtype} {list(m.size)}"
@@ -112,11 +108,11 @@ def explain_miss(node: Any, key: tuple, where: str) -> dict:
         best = min(same_op, key=lambda k: _distance(k, key))
         info = diff_keys(best, key)
     elif siblings:
-        info = {"cause": "op", "old": sorted({_op_name(k[0]) for k, _ in siblings})[:3],
-                "new": _op_name(op)}
+        info = {"cause": "op", "old": sorted({str(k[0]) for k, _ in siblings})[:3],
+                "new": str(op)}
     else:
         info = {"cause": "new" if node.depth == 0 else "extended"}
-    info["op"] = _op_name(op)
+    info["op"] = str(op)
     info["index"] = node.depth
     info["prefix"] = node.digest.hex()[:16]
     info["where"] = where

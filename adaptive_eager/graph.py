@@ -39,7 +39,6 @@ class Unfusable(Exception):
 @dataclasses.dataclass
 class TraceGraph:
     gm: fx.GraphModule
-    n_ext: int
     plan: list[tuple]  # per tensor input: ("t", ext) or ("base", ext, storage numel)
     offsets: list[tuple[int, int]]  # (ext, storage offset) baked into synthetic-base views
     lifted: tuple[int, ...]  # positions in trace.scalars that are program inputs
@@ -178,7 +177,7 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
     gm = fx.GraphModule(torch.nn.Module(), g)
     tensors = _tensor_inputs(plan, reals)
     assert tensors is not None
-    return TraceGraph(gm=gm, n_ext=len(trace.ext), plan=plan, offsets=offsets, lifted=lifted,
+    return TraceGraph(gm=gm, plan=plan, offsets=offsets, lifted=lifted,
                       baked=baked, baked_values=tuple(scalars[i] for i in baked),
                       live=tuple(live),
                       example_inputs=[*tensors, *(_scalar_input(scalars[i]) for i in lifted)],

@@ -6,6 +6,7 @@ import atexit
 import logging
 import runpy
 import sys
+from pathlib import Path
 
 from adaptive_eager import api, config
 
@@ -35,7 +36,7 @@ def _at_exit() -> None:
 def run_script(path: str, args: list[str]) -> None:
     """Run ``path`` as ``__main__`` with the engine on, as ``python path args...`` would."""
     sys.argv = [path, *args]
-    sys.path.insert(0, str(__import__("pathlib").Path(path).resolve().parent))
+    sys.path.insert(0, str(Path(path).resolve().parent))
     api.enable()
     try:
         runpy.run_path(path, run_name="__main__")

@@ -103,6 +103,3 @@ class Trace:
     def leave_trie(self) -> None:
         self.off_node = self.node
         self.node = None
-
-    def __len__(self) -> int:
-        return len(self.ops)

@@ -158,11 +158,6 @@ def materialize(t: LazyTensor) -> torch.Tensor:
     return real
 
 
-def resolve(a: Any) -> Any:
-    """A lazy tensor's real value (flushing if needed); anything else unchanged."""
-    return materialize(a) if type(a) is LazyTensor else a
-
-
 def resolve_all(a: Any) -> Any:
     t = type(a)
     if t is LazyTensor:
