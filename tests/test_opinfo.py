@@ -18,19 +18,6 @@ import fidelity  # tests/ is on sys.path, as for helpers.py
 
 JOBS = max(1, min(2, os.cpu_count() or 1))
 
-# Ops whose failures are understood (root causes: the fidelity report of issue 6 and the README).
-# A listed op that passes fails the test, so the list cannot go stale silently.
-_SUBCLASS_BACKWARD = (
-    "any active TorchDispatchMode makes at::isTensorSubclassLike() true, so autograd picks the "
-    "composite-compliant backward formula (prod_backward: cumprod path instead of "
-    "grad * result / input; ormqr: out-of-place path, other grad strides)")
-KNOWN_FAILURES: dict[str, str] = {
-    "prod": _SUBCLASS_BACKWARD,
-    "masked.prod": _SUBCLASS_BACKWARD,
-    "ormqr": _SUBCLASS_BACKWARD,
-}
-
-
 def _failure_text(results: list[fidelity.OpResult]) -> str:
     lines = []
     for r in results:
@@ -50,10 +37,6 @@ def quick_results() -> dict[str, fidelity.OpResult]:
 def test_opinfo_quick(name: str, quick_results: dict[str, fidelity.OpResult]) -> None:
     res = quick_results[name]
     assert res.status != "skipped", f"{name} skipped: {res.skip_reason}"
-    if name in KNOWN_FAILURES:
-        if res.status == "fail":
-            pytest.xfail(KNOWN_FAILURES[name])
-        pytest.fail(f"{name} is listed in KNOWN_FAILURES but now passes: remove it")
     assert res.status != "fail", _failure_text([res])
     assert res.samples > 0, f"{name}: no samples ran"
 
@@ -78,8 +61,5 @@ def test_opinfo_full_sweep() -> None:
     names = [fidelity.op_name(o) for o in fidelity.op_db()]
     results = fidelity.run_ops(names, jobs=JOBS)
     t = fidelity.totals(results)
-    failing = [r for r in results if r.status == "fail" and r.name not in KNOWN_FAILURES]
+    failing = [r for r in results if r.status == "fail"]
     assert not failing, f"totals {t}\n" + _failure_text(failing)
-    fixed = [r.name for r in results if r.name in KNOWN_FAILURES and r.status != "fail"
-             and r.status != "skipped"]
-    assert not fixed, f"listed in KNOWN_FAILURES but now pass (remove them): {fixed}"

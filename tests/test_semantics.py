@@ -329,3 +329,32 @@ def test_parameter_from_lazy_tensor_is_a_plain_parameter(engine) -> None:
     assert p.tolist() == [2.0, 2.0, 2.0]
     b = torch.nn.Buffer(torch.ones(2) * 3)
     assert type(b) is torch.Tensor and b.tolist() == [3.0, 3.0]
+
+
+def test_backward_formulas_that_branch_on_modes_match_eager() -> None:
+    """prod and ormqr pick other backward formulas while any dispatch mode is active (Note
+    [eager backward]): their nodes must still give eager's gradients, bit for bit and stride for
+    stride, and the ops around them must still be deferred."""
+    x0 = torch.randn(5, 5, 5)
+    a0, tau0, c0 = torch.randn(5, 5).t(), torch.randn(5), torch.randn(5, 5)
+
+    def fn() -> list:
+        x = x0.clone().requires_grad_()
+        a = a0.clone().requires_grad_()
+        y = torch.prod(x * 1.5, 1) + x.prod(0, keepdim=True).squeeze(0)
+        z = torch.ormqr(a, tau0, c0, left=True, transpose=True)
+        gx, ga = torch.autograd.grad((y * 2).sum() + z.sum(), (x, a))
+        empty = torch.zeros(0, requires_grad=True)
+        ge, = torch.autograd.grad(empty.prod(), empty)
+        return [to_plain(gx * 3), to_plain(ga), ga.stride(), ge.stride(), to_plain(y)]
+
+    expected, got = eager_and_engine(fn)
+    assert_equal_tree(expected, got)
+    with ae.adaptive_eager(backend="replay", step_aside=False):
+        for _ in range(2):  # the first pass runs new ops eagerly to learn their metadata
+            ae.reset_metrics()
+            x = x0.clone().requires_grad_()
+            (torch.prod(x * 2, 0) + 1).sum().backward()
+            assert torch._C._len_torch_dispatch_stack() == 1  # the mode is back after the node
+            (x.grad * 2).sum().item()
+    assert ae.metrics()["ops_deferred"] >= 6, ae.metrics()
