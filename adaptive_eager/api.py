@@ -16,6 +16,7 @@ from adaptive_eager.cache.memory import META_CACHE, TRIE
 from adaptive_eager.compiler import _managers, reset_managers
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
+from adaptive_eager.dispatch.opspec import SPECS
 from adaptive_eager.engine import Engine
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
@@ -150,6 +151,8 @@ def clear_caches() -> None:
     stays): the next run starts like a fresh process."""
     TRIE.clear()
     META_CACHE.clear()
+    for spec in SPECS.values():
+        spec.host_learns = 0
     reset_managers()
 
 

@@ -9,20 +9,34 @@ next safe point in plain Python: after a module's forward or an optimizer step (
 installed only while a step-aside is pending or in force), ``sync()``, or leaving the context.
 While aside, the optimizer hook counts steps and re-enters after ``probe_every`` of them to measure
 again.
+
+Note [measured trial]
+The cost estimate behind stepping aside (compiler.step_aside_reason) under-counts real models:
+recording an op inside a module's forward or autograd's backward costs several times what the
+calibration loop of tiny adds measures. So once the compile manager has settled (every hot trace
+compiled and decided), the engine runs a trial: it times ``TRIAL_TICKS`` rounds under the engine,
+steps aside and times as many rounds of plain eager, and keeps whichever was faster. A round is
+the time between two ticks: the ends of optimizer steps, or, in programs without an optimizer,
+the ends of outermost ``nn.Module`` calls. Programs with neither have no rounds and keep the
+estimate alone. A probe after ``probe_every`` rounds aside starts the question over.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
-from torch.nn.modules.module import register_module_forward_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from adaptive_eager.metrics import METRICS as M
 
 log = logging.getLogger("adaptive_eager")
+
+TRIAL_TICKS = 8  # rounds timed each way in a trial
+TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
 
 
 class Presence:
@@ -38,13 +52,23 @@ class Presence:
         self.steps_aside = 0
         self._hooks: list[Any] = []
         self._step_hook: Any = None
+        # Note [measured trial]
+        self.ticks_from: str | None = None  # "step" once an optimizer has stepped
+        self.trial: str | None = None  # the side being timed: "engine", "eager" or None
+        self.periods: list[float] = []
+        self.last_tick: float | None = None
+        self.engine_round: float | None = None
+        self.verdict: str | None = None  # the last trial's outcome, until a probe reopens it
+        self._depth = 0
+        self._tick_hooks: list[Any] = []
 
     def activate(self) -> None:
         if not self.active:
             for m in self.modes:
                 m.__enter__()
             self.active = True
-            if self.engine.options.step_flush and self._step_hook is None:
+            opts = self.engine.options
+            if (opts.step_flush or opts.step_aside) and self._step_hook is None:
                 self._step_hook = register_optimizer_step_post_hook(self._after_step)
 
     def deactivate(self) -> None:
@@ -56,6 +80,7 @@ class Presence:
     def close(self) -> None:
         self.deactivate()
         self._remove_hooks()
+        self._remove_tick_hooks()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -85,22 +110,99 @@ class Presence:
         as torch_xla's mark_step), and drive stepping aside and probing."""
         if threading.get_ident() != self.thread:
             return
-        if self.active and self.pending is None and self._step_hook is not None:
+        if self.active and self.pending is None and self.engine.options.step_flush:
             self.engine.flush("optimizer_step")
-        if self.aside:
+        self.ticks_from = "step"
+        self._round_ended()
+
+    def _round_ended(self) -> None:
+        """At a tick, in plain Python on the engine's thread (Note [measured trial])."""
+        if self.trial is not None:
+            self._time_round()
+        elif self.aside:
             self.steps_aside += 1
             every = self.engine.options.probe_every
             if every and self.steps_aside >= every:
                 self.aside = False
+                self.verdict = None
+                self._remove_tick_hooks()
                 self.engine.compiler.new_probe()
                 self.activate()
-                log.info("adaptive_eager: probing again after %d steps aside", every)
+                log.info("adaptive_eager: probing again after %d rounds aside", every)
         else:
             self.safe_point()
 
     def _after_forward(self, module: Any, inputs: Any, output: Any) -> None:
         if self.pending is not None:
             self.safe_point()
+
+    # ---- the measured trial (Note [measured trial]) -------------------------------------------
+    def start_trial(self) -> None:
+        """Called after a flush once the compile manager has settled."""
+        if (self.trial is not None or self.verdict is not None or self.aside
+                or self.pending is not None or not self.active):
+            return
+        self.trial, self.periods, self.last_tick = "engine", [], None
+        M.trials += 1
+        if self.ticks_from != "step":
+            self._install_tick_hooks()
+
+    def _time_round(self) -> None:
+        now = time.perf_counter()
+        if self.last_tick is not None:
+            self.periods.append(now - self.last_tick)
+        self.last_tick = now
+        if len(self.periods) < TRIAL_TICKS:
+            return
+        measured = _median(self.periods)
+        self.periods, self.last_tick = [], None
+        if self.trial == "engine":
+            self.engine_round = measured
+            self.engine.flush("trial")
+            self.deactivate()
+            self.trial = "eager"
+            self.last_tick = time.perf_counter()
+            return
+        self.trial = None
+        engine = self.engine_round or 0.0
+        detail = f"median round {engine * 1e3:.3f} ms under the engine, {measured * 1e3:.3f} ms " \
+                 "in plain eager"
+        if engine < TRIAL_MARGIN * measured:
+            self.verdict = "engine"
+            self._remove_tick_hooks()
+            self.activate()
+            log.info("adaptive_eager: trial: staying in the engine (%s)", detail)
+        else:
+            self.verdict = "eager"
+            self.aside = True
+            self.steps_aside = 0
+            M.step_asides += 1
+            log.warning("adaptive_eager: stepping aside (trial: %s); this thread runs plain "
+                        "eager, probing again after %d rounds", detail,
+                        self.engine.options.probe_every)
+
+    def _before_call(self, module: Any, inputs: Any) -> None:
+        if threading.get_ident() == self.thread:
+            self._depth += 1
+
+    def _after_call(self, module: Any, inputs: Any, output: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self.ticks_from != "step":
+            self.ticks_from = "forward"
+            self._round_ended()
+
+    def _install_tick_hooks(self) -> None:
+        if not self._tick_hooks:
+            self._depth = 0
+            self._tick_hooks = [register_module_forward_pre_hook(self._before_call),
+                                register_module_forward_hook(self._after_call, always_call=True)]
+
+    def _remove_tick_hooks(self) -> None:
+        for h in self._tick_hooks:
+            h.remove()
+        self._tick_hooks = []
 
     def _install_hooks(self) -> None:
         if not self._hooks:
@@ -112,3 +214,8 @@ class Presence:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]

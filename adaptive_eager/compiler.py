@@ -150,6 +150,8 @@ class CompileManager:
                 entry.varying.add(i)
 
     def record_replay(self, entry: TraceEntry, seconds: float) -> None:
+        if M.compiles_pending and entry.replay_s:
+            return  # a compile holding the GIL inflates this run: keep the clean samples
         entry.replay_s.append(seconds)
         if len(entry.replay_s) > _HISTORY:
             del entry.replay_s[0]
@@ -311,6 +313,13 @@ class CompileManager:
             return (f"{len(self.decided)} traces measured: under the engine a round takes "
                     f"{engine * 1e3:.3f} ms, plain eager about {eager * 1e3:.3f} ms")
         return None
+
+    def settled(self) -> bool:
+        """Every hot trace compiled and decided: the engine runs as fast as it will (the moment
+        for a measured trial against plain eager, Note [measured trial] in aside.py)."""
+        return (self.options.step_aside and self.backend.compiles and self.probe_start is None
+                and len(self.decided) >= MIN_DECISIONS and not self._undecided_hot()
+                and M.compiles_pending == 0)
 
     def _undecided_hot(self) -> bool:
         """A hot trace still on its way to a decision (compiling or being measured)."""

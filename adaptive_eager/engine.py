@@ -246,8 +246,7 @@ class Engine:
 
     def _metadata(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
         """Output metadata off the trie: from the metadata cache, or NeedRun (run it for real)."""
-        mkey = (torch.get_default_dtype(), op, _meta_key(args, spec),
-                _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
+        mkey = _metadata_key(op, spec, args, kwargs)
         out = META_CACHE.get(mkey, _MISSING)
         if out is _MISSING:
             out = _view_metadata(op, spec, args, kwargs)
@@ -347,6 +346,8 @@ class Engine:
             reason = self.compiler.step_aside_reason()
             if reason is not None:
                 self.presence.request_aside(reason)
+            elif self.compiler.settled():
+                self.presence.start_trial()  # Note [measured trial] in aside.py
         except Exception as err:  # bookkeeping must never fail the user's program
             self._internal_fault(err, "step_aside")
 
@@ -398,6 +399,13 @@ class Engine:
         M.ops_eager += 1
         with _DisableDispatch(), _DisableFunction():
             out = op(*args, **kwargs)
+        if spec.host_learns < _HOST_LEARNS:
+            # The same op on a pending scalar next time (autograd's seed once the loss is lazy)
+            # then defers at once instead of needing a run of its own to learn its metadata.
+            spec.host_learns += 1
+            mkey = _metadata_key(op, spec, args, kwargs)
+            if META_CACHE.get(mkey, _MISSING) is _MISSING:
+                META_CACHE.put(mkey, _out_spec(out, spec.ret_alias))
         return rebind_aliases(spec.ret_alias, args, out)
 
     def run_sync(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
@@ -473,6 +481,14 @@ def _outputs(spec: Any, args: tuple, tr: Trace) -> tuple[Any, Any]:
         return None, None
     pairs = [_outputs(x, args, tr) for x in spec]
     return t(p[0] for p in pairs), t(p[1] for p in pairs)
+
+
+_HOST_LEARNS = 16  # host-scalar runs per op whose output metadata is learned
+
+
+def _metadata_key(op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> tuple:
+    return (torch.get_default_dtype(), op, _meta_key(args, spec),
+            _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
 
 
 def _meta_key(items: tuple, spec: OpSpec) -> tuple:

@@ -75,8 +75,19 @@ class RunLog:
             return None
 
 
+def _by_age(folder: Path) -> list[Path]:
+    """The run files, oldest first; files another process deletes meanwhile are left out."""
+    aged = []
+    for p in folder.glob("*.jsonl"):
+        try:
+            aged.append((p.stat().st_mtime, p))
+        except OSError:
+            continue
+    return [p for _, p in sorted(aged)]
+
+
 def _prune(runs: Path) -> None:
-    files = sorted(runs.glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
+    files = _by_age(runs)
     for old in files[:-KEEP_RUNS]:
         try:
             old.unlink()
@@ -90,9 +101,13 @@ def read_runs(directory: Path) -> list[list[dict]]:
     folder = directory / "runs"
     if not folder.is_dir():
         return runs
-    for path in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
+    for path in _by_age(folder):
         recs = []
-        for line in path.read_text().splitlines():
+        try:
+            text = path.read_text()
+        except OSError:  # pruned by another process since
+            continue
+        for line in text.splitlines():
             try:
                 recs.append(json.loads(line))
             except ValueError:

@@ -13,7 +13,7 @@ class Metrics:
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
-        "layout_fixes",
+        "trials", "layout_fixes",
     )
 
     def __init__(self) -> None:
@@ -45,6 +45,7 @@ class Metrics:
         self.kept_fused = 0  # decisions: fused measured faster than replay
         self.kept_replay = 0  # decisions: fused not faster, trace stays op by op
         self.step_asides = 0  # times the engine left the mode stack because nothing gained
+        self.trials = 0  # measured trials: rounds timed under the engine, then in plain eager
         self.layout_fixes = 0  # fused outputs copied into the strides eager gives them
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()

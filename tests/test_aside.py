@@ -6,6 +6,8 @@ so they check the mechanics deterministically, never a machine's speed.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,63 @@ def test_replay_backend_never_steps_aside(monkeypatch: pytest.MonkeyPatch,
         for n in range(1, 80):
             lin(torch.ones(n, 3)).sum().item()
     assert ae.metrics()["step_asides"] == 0
+
+
+def _no_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leave the decision to the measured trial alone (Note [measured trial])."""
+    monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
+
+
+def _slow_on(side: str) -> Callable[[], None]:
+    def pause() -> None:  # a round on the slow side takes 20 ms longer
+        in_engine = torch._C._len_torch_dispatch_stack() > 0
+        if in_engine == (side == "engine"):
+            time.sleep(0.02)
+    return pause
+
+
+@pytest.mark.parametrize("slow_side", ["engine", "eager"])
+def test_trial_keeps_the_faster_side(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
+                                     slow_side: str) -> None:
+    _no_estimate(monkeypatch)
+    ref, _ = _train(60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+    x, y = torch.randn(5, 6), torch.randn(5, 1)
+    intercepted: list[int] = []
+    pause = _slow_on(slow_side)
+
+    def each_step() -> None:
+        intercepted.append(ae.metrics()["ops_intercepted"])
+        pause()
+
+    losses = train_steps(model, opt, x, y, 60, dict(hot_after=2, compile_async=False,
+                                                     cache_dir=cache_dir), each_step)
+    m = ae.metrics()
+    assert m["trials"] == 1 and m["kept_fused"] + m["kept_replay"] >= 1, m
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+    last = intercepted[-1] - intercepted[-2]
+    if slow_side == "engine":
+        assert m["step_asides"] == 1 and last == 0, m  # plain eager from the trial on
+    else:
+        assert m["step_asides"] == 0 and last > 0, m  # back in the engine after the trial
+
+
+def test_trial_without_an_optimizer_times_outermost_module_calls(
+        monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    _no_estimate(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    x = torch.randn(5, 6)
+    expected = [model(x).sum().item() for _ in range(3)]
+    pause = _slow_on("engine")
+    seen = []
+    with ae.adaptive_eager(hot_after=2, compile_async=False, cache_dir=cache_dir):
+        for _ in range(60):
+            out = model(x).sum()
+            seen.append(out.item())
+            pause()
+    m = ae.metrics()
+    assert m["trials"] == 1 and m["step_asides"] == 1, m
+    torch.testing.assert_close(torch.tensor(seen[-3:]), torch.tensor(expected))

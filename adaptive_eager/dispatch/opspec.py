@@ -45,7 +45,7 @@ class OpSpec:
     """The per-op facts the hot path needs, computed once (see Note [op policy])."""
 
     __slots__ = ("op", "name", "policy", "reason", "scalar_pos", "scalar_kw", "structural",
-                 "ret_alias", "bool_index", "view_arg")
+                 "ret_alias", "bool_index", "view_arg", "host_learns")
 
     def __init__(self, op: torch._ops.OpOverload) -> None:
         self.op = op
@@ -64,6 +64,7 @@ class OpSpec:
         self.view_arg = _view_arg(schema)
         self.bool_index = op in (_aten.index.Tensor, _aten._unsafe_index.Tensor)
         self.policy, self.reason = _classify(op, schema)
+        self.host_learns = 0  # host-scalar runs whose metadata was learned (engine.run_host_scalar)
 
 
 def _return_aliases(schema: torch._C.FunctionSchema) -> tuple[int | None, ...]:
