@@ -81,6 +81,9 @@ class Presence:
         self.deactivate()
         self._remove_hooks()
         self._remove_tick_hooks()
+        if self.trial is not None:
+            self.trial = None
+            M.trials_running = 0
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -144,6 +147,7 @@ class Presence:
             return
         self.trial, self.periods, self.last_tick = "engine", [], None
         M.trials += 1
+        M.trials_running = 1
         if self.ticks_from != "step":
             self._install_tick_hooks()
 
@@ -164,6 +168,7 @@ class Presence:
             self.last_tick = time.perf_counter()
             return
         self.trial = None
+        M.trials_running = 0
         engine = self.engine_round or 0.0
         detail = f"median round {engine * 1e3:.3f} ms under the engine, {measured * 1e3:.3f} ms " \
                  "in plain eager"

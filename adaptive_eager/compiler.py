@@ -35,6 +35,7 @@ from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, cache_key, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
 from adaptive_eager.config import Options
+from adaptive_eager.compile_process import HELPER, HelperFailed
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import Trace
 
@@ -228,12 +229,23 @@ class CompileManager:
         start = time.perf_counter()
         label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
         with outside_modes(), span("adaptive_eager.compile"), progress(label):
-            program = self.backend.compile(g)
+            program, data = self._compile_program(g)
         seconds = time.perf_counter() - start
         M.compiles += 1  # counted here: a process may end before a flush picks the program up
         M.compile_seconds += seconds
-        self._store(entry, g, program, seconds)
+        self._store(entry, g, program, seconds, data)
         return program, seconds
+
+    def _compile_program(self, g: graph_mod.TraceGraph) -> tuple[Any, bytes | None]:
+        """The program, in the helper process where possible (Note [compile process])."""
+        if self.options.compile_process and getattr(self.backend, "separate_process", False):
+            try:
+                data, _ = HELPER.compile(self.backend, g)
+            except HelperFailed:
+                pass  # counted and logged once by the helper's client; compile here instead
+            else:
+                return self.backend.load(data, g), data
+        return self.backend.compile(g), None
 
     def _compiled(self, entry: TraceEntry) -> None:
         M.compiles_pending -= 1
@@ -366,12 +378,13 @@ class CompileManager:
                          flags=_flags())
 
     def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
-               seconds: float) -> None:
+               seconds: float, data: bytes | None = None) -> None:
         if self.disk is None:
             return
         try:
-            with outside_modes():
-                data = self.backend.serialize(program)
+            if data is None:
+                with outside_modes():
+                    data = self.backend.serialize(program)
         except Exception as err:
             M.disk_errors += 1
             log.info("adaptive_eager: program of %s not serializable: %s", entry.digest[:12], err)

@@ -100,6 +100,9 @@ SETTINGS: tuple[Setting, ...] = (
             "the trace."),
     Setting("compile_async", "ADAPTIVE_EAGER_COMPILE_ASYNC", _parse_bool, True,
             "Compile in a background thread while the program keeps running op by op."),
+    Setting("compile_process", "ADAPTIVE_EAGER_COMPILE_PROCESS", _parse_bool, True,
+            "Compile in a helper process, so compiling never slows the program through the "
+            "GIL (off: in a thread of this process)."),
     Setting("step_aside", "ADAPTIVE_EAGER_STEP_ASIDE", _parse_bool, True,
             "Leave the mode stack when measurements show no trace gains from fusion."),
     Setting("step_flush", "ADAPTIVE_EAGER_STEP_FLUSH", _parse_bool, True,
@@ -130,6 +133,7 @@ class Options:
     disk_cache: bool = True
     crosscheck: bool = False
     compile_async: bool = True
+    compile_process: bool = True
     step_aside: bool = True
     step_flush: bool = True
     probe_every: int = 2000

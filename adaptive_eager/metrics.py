@@ -13,7 +13,7 @@ class Metrics:
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
-        "trials", "layout_fixes",
+        "trials", "trials_running", "layout_fixes", "helper_errors",
     )
 
     def __init__(self) -> None:
@@ -46,7 +46,9 @@ class Metrics:
         self.kept_replay = 0  # decisions: fused not faster, trace stays op by op
         self.step_asides = 0  # times the engine left the mode stack because nothing gained
         self.trials = 0  # measured trials: rounds timed under the engine, then in plain eager
-        self.layout_fixes = 0  # fused outputs copied into the strides eager gives them
+        self.trials_running = 0  # 1 while a trial is timing rounds (benchmarks wait for it)
+        self.layout_fixes = 0
+        self.helper_errors = 0  # the compile helper process failed; compiles moved in-process  # fused outputs copied into the strides eager gives them
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
         self.engine_error_kinds: Counter[str] = Counter()

@@ -113,12 +113,20 @@ def settle(runner: Runner, max_seconds: float) -> dict[str, Any]:
         return {}
     steps = 0
     deadline = time.perf_counter() + max_seconds
-    while runner.counters().get("compiles_pending", 0) > 0 and time.perf_counter() < deadline:
+
+    def busy() -> bool:  # compiling, or timing the engine against eager (Note [measured trial])
+        c = runner.counters()
+        return c.get("compiles_pending", 0) > 0 or c.get("trials_running", 0) > 0
+
+    while busy() and time.perf_counter() < deadline:
         timed_step(runner)
         steps += 1
     total = runner.counters()
     if total.get("compiles", 0) or total.get("disk_hits", 0):
         for _ in range(SETTLE_EXTRA_STEPS):
+            timed_step(runner)
+            steps += 1
+        while busy() and time.perf_counter() < deadline:  # a trial starts once all decided
             timed_step(runner)
             steps += 1
     return {"settle_steps": steps,

@@ -152,12 +152,50 @@ def test_compile_that_raises_leaves_results_unchanged(data, cache_dir: Path, mon
     def broken(self: Any, graph: Any) -> Any:
         raise RuntimeError("injected compiler failure")
 
-    monkeypatch.setattr(InductorBackend, "compile", broken)
+    monkeypatch.setattr(InductorBackend, "compile", broken)  # patched here, not in the helper
     with caplog.at_level(logging.WARNING, logger="adaptive_eager"):
-        m = run_loop(*data, steps=8, cache_dir=cache_dir)
+        m = run_loop(*data, steps=8, cache_dir=cache_dir, compile_process=False)
     assert m["compile_errors"] >= 1 and m["compiled_runs"] == 0
     assert sum("injected compiler failure" in r.message for r in caplog.records) == 1
     assert {e.state for e in TRIE.entry_list if e.n_ops > 1} <= {"failed", "new"}
+
+
+@pytest.fixture
+def helper() -> Any:
+    """The compile helper's client, restored to a usable state afterwards."""
+    from adaptive_eager.compile_process import HELPER
+
+    yield HELPER
+    HELPER.close()
+    HELPER.broken = None
+
+
+def test_compiles_run_in_the_helper_process(data, cache_dir: Path, helper: Any) -> None:
+    m = run_loop(*data, steps=6, cache_dir=cache_dir)
+    assert m["compiled_runs"] >= 1 and m["helper_errors"] == 0, m
+    assert helper._proc is not None and helper._proc.poll() is None
+    assert helper._proc.pid != os.getpid()
+
+
+def test_compile_failing_in_the_helper_leaves_results_unchanged(
+        data, cache_dir: Path, helper: Any, monkeypatch) -> None:
+    # An option Inductor rejects: the compile raises inside the helper, not in this process.
+    monkeypatch.setitem(backends._instances, "inductor",
+                        InductorBackend({"no_such_inductor_option": 1}))
+    m = run_loop(*data, steps=8, cache_dir=cache_dir)
+    assert m["compile_errors"] >= 1 and m["compiled_runs"] == 0 and m["helper_errors"] == 0, m
+    assert {e.state for e in TRIE.entry_list if e.n_ops > 1} <= {"failed", "new"}
+
+
+def test_helper_that_dies_moves_compiles_into_this_process(data, cache_dir: Path,
+                                                           helper: Any) -> None:
+    run_loop(*data, steps=6, cache_dir=cache_dir)
+    helper._proc.kill()
+    helper._proc.wait()
+    fresh_process()
+    m = run_loop(*data, steps=6, cache_dir=cache_dir, disk_cache=False)
+    assert m["helper_errors"] == 1 and m["compiles"] >= 1 and m["compiled_runs"] >= 1, m
+    assert helper.broken is not None
 
 
 def test_fused_program_that_raises_at_run_time(data, cache_dir: Path, monkeypatch) -> None:
@@ -168,7 +206,7 @@ def test_fused_program_that_raises_at_run_time(data, cache_dir: Path, monkeypatc
 
     monkeypatch.setattr(InductorBackend, "compile", compile_raising_program)
     monkeypatch.setattr(InductorBackend, "serialize", lambda self, p: b"")
-    m = run_loop(*data, steps=8, cache_dir=cache_dir)
+    m = run_loop(*data, steps=8, cache_dir=cache_dir, compile_process=False)
     assert m["fused_errors"] >= 1 and m["compiled_runs"] == 0
 
 
@@ -176,6 +214,7 @@ class WrongBackend(InductorBackend):
     """Compiles for real, then returns results that are off by one."""
 
     name = "wrong"
+    separate_process = False  # defined in this test module, which the helper cannot import
 
     def compile(self, graph: Any) -> Any:
         program = super().compile(graph)

@@ -24,6 +24,8 @@ class Backend(Protocol):
 
     name: str
     compiles: bool  # False: traces always replay op by op (the baseline)
+    # Optional ``separate_process = True``: the backend object pickles and its compile runs in
+    # a helper process (compile_process.py); absent or False: compiled in a thread here.
 
     def options_key(self) -> str:
         """Everything about this backend's configuration that changes generated code."""

@@ -19,6 +19,7 @@ import torch
 class InductorBackend:
     name = "inductor"
     compiles = True
+    separate_process = True  # compiles in the helper process (Note [compile process])
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -1,0 +1,202 @@
+"""Compiling in a helper process, so a compile never holds the program's GIL.
+
+Note [compile process]
+Inductor compiles in Python for seconds to a minute per trace. In a thread of the user's process
+it shares the GIL with the program, which runs ~2.7x slower until the compile ends
+(benchmarks/compile_stall.py). Instead the compile thread hands the trace graph to a helper
+process and waits on a pipe (holding no GIL): the FX graph is pickled, its example inputs travel
+as metadata only (compiling reads no values), the helper compiles with the same backend object
+and answers with the serialized program, which this process loads (on CPU the kernels are
+already built in the shared Inductor cache folder, so loading runs no compiler).
+
+The helper is ``python -m adaptive_eager.compile_helper``: started at the first compile, with
+``ADAPTIVE_EAGER=0`` so the engine is not switched on inside it, serving one compile at a time,
+and exiting when its stdin closes (this process exited). A backend opts in with
+``separate_process = True``. A compile that fails in the helper fails as it would here (the trace
+stays op by op); a helper that cannot start, dies or answers garbage is counted
+(``helper_errors``) and that compile, and every later one, runs in the compile thread instead.
+Inductor settings changed at run time (``torch._inductor.config``) do not reach the helper: set
+``ADAPTIVE_EAGER_COMPILE_PROCESS=0`` for programs that change them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import IO, Any
+
+import torch
+
+log = logging.getLogger("adaptive_eager")
+
+_HEADER = struct.Struct("<Q")
+# Measured by benchmarks/compile_stall.py on 2 busy cores (two OpenMP threads stepping the
+# program): at nice 0 the program ran 3x slower while the helper compiled (18 s); at 3, 1.6x
+# (22 s); at 10 it did not slow down (the compile took 58 s). Idle cores make this moot.
+HELPER_NICE = 10
+
+
+class HelperFailed(RuntimeError):
+    """The helper process itself failed (not the compile): compile in this process instead."""
+
+
+class CompileFailed(RuntimeError):
+    """The backend raised inside the helper; the message carries its type and text."""
+
+
+def _write(stream: IO[bytes], obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read(stream: IO[bytes]) -> Any:
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise EOFError("pipe closed")
+    n = _HEADER.unpack(head)[0]
+    data = stream.read(n)
+    if len(data) < n:
+        raise EOFError("pipe closed mid-message")
+    return pickle.loads(data)
+
+
+def _input_spec(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:  # lifted Python numbers: cheap to send as they are
+            return ("value", x.detach().clone())
+        return ("tensor", tuple(x.shape), x.stride(), x.dtype, str(x.device))
+    return ("value", x)
+
+
+def _example(spec: tuple) -> Any:
+    if spec[0] == "value":
+        return spec[1]
+    _, size, stride, dtype, device = spec
+    return torch.empty_strided(size, stride, dtype=dtype, device=device).zero_()
+
+
+def _flags() -> dict[str, Any]:
+    return {"matmul_precision": torch.get_float32_matmul_precision(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+
+
+def _apply_flags(flags: dict[str, Any]) -> None:
+    torch.set_float32_matmul_precision(flags["matmul_precision"])
+    torch.use_deterministic_algorithms(flags["deterministic"])
+    if flags["inductor_cache"]:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = flags["inductor_cache"]
+
+
+class CompileProcess:
+    """The client side: one helper per process, one compile at a time."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._pid = os.getpid()  # a forked child must not share its parent's helper
+        self._lock = threading.Lock()
+        self.broken: str | None = None  # why the helper is not used any more
+
+    def compile(self, backend: Any, graph: Any) -> tuple[bytes, float]:
+        """Serialized program and the helper's compile seconds; raises CompileFailed or
+        HelperFailed."""
+        if self.broken is not None:
+            raise HelperFailed(self.broken)
+        request = (backend, dataclasses.replace(
+            graph, example_inputs=[_input_spec(x) for x in graph.example_inputs]), _flags())
+        with self._lock:
+            try:
+                proc = self._ensure()
+                assert proc.stdin is not None and proc.stdout is not None
+                _write(proc.stdin, request)
+                status, payload, seconds = _read(proc.stdout)
+            except Exception as err:  # pipe, pickling, a dead helper
+                self._give_up(f"{type(err).__name__}: {err}")
+                raise HelperFailed(self.broken) from err
+        if status == "ok":
+            return payload, seconds
+        if status == "unusable":  # this request only: compile it here
+            from adaptive_eager.metrics import METRICS
+
+            METRICS.helper_errors += 1
+            raise HelperFailed(f"the helper could not take this compile: {payload}")
+        raise CompileFailed(payload)
+
+    def _ensure(self) -> subprocess.Popen:
+        if self._pid != os.getpid():
+            self._proc, self._pid = None, os.getpid()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            return proc
+        if proc is not None:
+            raise HelperFailed(f"the helper exited with status {proc.returncode}")
+        env = dict(os.environ)
+        env["ADAPTIVE_EAGER"] = "0"  # the helper must not switch the engine on for itself
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH"))
+                                            if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "adaptive_eager.compile_helper"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=None, env=env, close_fds=True)
+        return self._proc
+
+    def _give_up(self, why: str) -> None:
+        from adaptive_eager.metrics import METRICS
+
+        METRICS.helper_errors += 1
+        self.broken = why
+        log.warning("adaptive_eager: the compile helper process failed (%s); compiling in this "
+                    "process from now on", why)
+        self.close()
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=5)
+        except Exception:
+            proc.kill()
+
+
+HELPER = CompileProcess()
+
+
+def serve() -> None:
+    """The helper's loop: requests on stdin, answers on the original stdout."""
+    if hasattr(os, "nice"):
+        # The program comes first: on a busy machine the compile (and the C++ compilers it
+        # starts, which inherit this) takes the CPU time the program leaves idle.
+        os.nice(HELPER_NICE)
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # compilers' prints must not corrupt the answers
+    inp = sys.stdin.buffer
+    while True:
+        try:
+            backend, graph, flags = _read(inp)
+        except EOFError:
+            return
+        except Exception as err:  # e.g. a backend class this process cannot import
+            _write(out, ("unusable", f"{type(err).__name__}: {err}", 0.0))
+            continue
+        start = time.perf_counter()
+        try:
+            _apply_flags(flags)
+            graph.example_inputs = [_example(s) for s in graph.example_inputs]
+            program = backend.compile(graph)
+            answer = ("ok", backend.serialize(program), time.perf_counter() - start)
+        except Exception as err:
+            detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+            answer = ("error", detail[-2000:], time.perf_counter() - start)
+        _write(out, answer)
