@@ -146,13 +146,14 @@ class Presence:
                 or self.pending is not None or not self.active):
             return
         self.trial, self.periods, self.last_tick = "engine", [], None
-        M.trials += 1
-        M.trials_running = 1
         if self.ticks_from != "step":
             self._install_tick_hooks()
 
     def _time_round(self) -> None:
         now = time.perf_counter()
+        if self.trial == "engine" and self.last_tick is None and not self.periods:
+            M.trials += 1  # counted from the first tick: a program without rounds has no trial
+            M.trials_running = 1
         if self.last_tick is not None:
             self.periods.append(now - self.last_tick)
         self.last_tick = now
