@@ -40,8 +40,10 @@ log = logging.getLogger("adaptive_eager")
 _HEADER = struct.Struct("<Q")
 # Measured by benchmarks/compile_stall.py on 2 busy cores (two OpenMP threads stepping the
 # program): at nice 0 the program ran 3x slower while the helper compiled (18 s); at 3, 1.6x
-# (22 s); at 10 it did not slow down (the compile took 58 s). Idle cores make this moot.
-HELPER_NICE = 10
+# (22 s); at 10 it did not slow down, but the compile took 58 s, and a program that keeps every
+# core busy (16M-element steps) starved it for minutes: the fused program that would have made
+# it 6x faster came far too late. So a slight preference only. Idle cores make this moot.
+HELPER_NICE = 3
 
 
 class HelperFailed(RuntimeError):
