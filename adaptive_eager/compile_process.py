@@ -2,8 +2,9 @@
 
 Note [compile process]
 Inductor compiles in Python for seconds to a minute per trace. In a thread of the user's process
-it shares the GIL with the program, which runs ~2.7x slower until the compile ends
-(benchmarks/compile_stall.py). Instead the compile thread hands the trace graph to a helper
+it shares the GIL with the program, which runs slower until the compile ends (1.2x with a core to
+spare, benchmarks/compile_stall.py; more when the program's OpenMP threads also want the core the
+compile runs on). Instead the compile thread hands the trace graph to a helper
 process and waits on a pipe (holding no GIL): the FX graph is pickled, its example inputs travel
 as metadata only (compiling reads no values), the helper compiles with the same backend object
 and answers with the serialized program, which this process loads (on CPU the kernels are
@@ -11,7 +12,8 @@ already built in the shared Inductor cache folder, so loading runs no compiler).
 
 The helper is ``python -m adaptive_eager.compile_helper``: started at the first compile, with
 ``ADAPTIVE_EAGER=0`` so the engine is not switched on inside it, serving one compile at a time,
-and exiting when its stdin closes (this process exited). A backend opts in with
+and exiting when its stdin closes (this process exited). It runs at ``HELPER_NICE``: where no
+core is idle the program keeps a slight priority. A backend opts in with
 ``separate_process = True``. A compile that fails in the helper fails as it would here (the trace
 stays op by op); a helper that cannot start, dies or answers garbage is counted
 (``helper_errors``) and that compile, and every later one, runs in the compile thread instead.

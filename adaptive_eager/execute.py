@@ -12,8 +12,11 @@ from typing import Any
 
 import torch
 
-from adaptive_eager.dispatch.lazy import LazyTensor, meta_of
+from adaptive_eager.dispatch.lazy import LazyTensor, become_real, meta_of
 from adaptive_eager.trace import Slot, Trace
+
+
+_Tensor = torch.Tensor
 
 
 class MetadataMismatch(AssertionError):
@@ -93,7 +96,10 @@ def replay(trace: Trace, live: list[int], check: bool) -> list:
 
 
 def publish(trace: Trace, env: list, check: bool) -> None:
-    """Give each live lazy tensor its real value."""
+    """Give each live lazy tensor its real value; those nothing else holds become real tensors
+    (Note [lazy tensors become real] in dispatch/lazy.py)."""
+    inputs: set[int] | None = None
+    became: dict[int, torch.Tensor] = {}
     for s, ref in enumerate(trace.refs):
         w = ref()
         if w is not None and w._ae_real is None:
@@ -101,7 +107,18 @@ def publish(trace: Trace, env: list, check: bool) -> None:
             if check and meta_of(real) is not w._ae_meta:
                 raise MetadataMismatch(f"adaptive_eager: replay produced {meta_of(real)} for slot "
                                        f"{s}, the lazy tensor said {w._ae_meta}")
+            done = became.get(id(real))
+            if done is not None:  # two slots, one value (an op returned its input)
+                w._ae_real = done
+                continue
             w._ae_real = real
+            if type(real) is not _Tensor or w.requires_grad or w._use_count() != 1:
+                continue
+            if inputs is None:
+                inputs = {id(t._ae_real if type(t) is LazyTensor else t) for t in trace.ext}
+            if id(real) not in inputs:  # never turn a user's own tensor into a wrapper
+                became[id(real)] = w
+                become_real(w, real)
 
 
 def poison(trace: Trace, err: BaseException) -> None:

@@ -17,6 +17,11 @@ import adaptive_eager as ae
 from helpers import assert_equal_tree, eager_and_engine, to_plain
 
 
+def pending(t: torch.Tensor) -> bool:
+    """Whether ``t`` still waits for its trace to run."""
+    return type(t) is ae.LazyTensor and t._ae_real is None
+
+
 def test_views_and_inplace_on_views() -> None:
     def fn() -> list:
         base = torch.arange(24.0).reshape(4, 6)
@@ -244,8 +249,8 @@ def test_nested_and_reentered_contexts() -> None:
         with ae.adaptive_eager(backend="replay"):
             x * 3  # first sight runs eagerly; the next one is deferred
             y = x * 3
-            assert y._ae_real is None
-        assert y._ae_real is not None  # leaving the inner context is a sync point
+            assert pending(y)
+        assert not pending(y)  # leaving the inner context is a sync point
         with ctx:  # re-entering the same object
             z = y + 1
     assert z.tolist() == [4.0, 4.0, 4.0]
@@ -271,9 +276,9 @@ def test_enable_disable_and_sync() -> None:
         assert ae.is_enabled()
         torch.ones(2) + 1
         y = torch.ones(2) + 1
-        assert y._ae_real is None
+        assert pending(y)
         ae.sync()
-        assert y._ae_real is not None
+        assert not pending(y)
     finally:
         ae.disable()
     assert not ae.is_enabled()
@@ -358,3 +363,39 @@ def test_backward_formulas_that_branch_on_modes_match_eager() -> None:
             assert torch._C._len_torch_dispatch_stack() == 1  # the mode is back after the node
             (x.grad * 2).sum().item()
     assert ae.metrics()["ops_deferred"] >= 6, ae.metrics()
+
+
+def test_kept_lazy_tensors_become_plain_tensors() -> None:
+    """Note [lazy tensors become real]: state the program keeps (optimizer moments, a running
+    buffer) is a plain tensor after the flush, so later ops on it, also outside the engine, pay
+    no subclass dispatch; tensors autograd still holds stay lazy and keep working."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    for p, r in zip(params, ref):
+        p.grad = torch.randn(4, 4)
+        r.grad = p.grad.clone()
+    opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
+    opt_ref = torch.optim.AdamW(ref, lr=0.1, foreach=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    with ae.adaptive_eager(backend="replay"):
+        for _ in range(3):
+            opt.step()
+        running = torch.zeros(4)
+        for _ in range(2):
+            running = running * 0.5 + 1  # rebound every time: the last value is kept
+        for _ in range(2):  # the first pass runs new ops eagerly to learn their metadata
+            act = w * 2  # saved by autograd for the next op
+            loss = (act * act).sum()
+            ae.sync()
+        assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())
+        assert type(running) is torch.Tensor
+        assert type(act) is ae.LazyTensor  # requires grad: stays a (published) lazy tensor
+        loss.backward()
+    for _ in range(3):
+        opt_ref.step()
+    for p, r in zip(params, ref):
+        assert torch.equal(p, r)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt_ref.state[r]["exp_avg_sq"])
+    assert running.tolist() == [1.5] * 4
+    assert torch.equal(w.grad, 8 * w.detach())

@@ -143,6 +143,30 @@ class LazyTensor(torch.Tensor):
         return materialize(self).__dlpack__(*args, **kwargs)
 
 
+_swap_impl = torch._C._swap_tensor_impl
+_LAZY_ATTRS = ("_ae_real", "_ae_trace", "_ae_slot", "_ae_meta", "_ae_error")
+
+
+def become_real(w: LazyTensor, real: torch.Tensor) -> None:
+    """Note [lazy tensors become real]
+    A lazy tensor the program keeps (optimizer state, a running statistic, a cached mask) would
+    otherwise stay a Python subclass for the rest of the process: every later op on it, also
+    outside the engine (stepped aside, after the context) pays a trip through
+    ``__torch_dispatch__``. At publish, a lazy tensor that only its own Python object holds
+    (``_use_count() == 1``: no autograd node saved it, no ``.grad`` slot points at it) and that
+    needs no autograd metadata (``requires_grad`` False) swaps its TensorImpl with its value's, as
+    ``torch.utils.swap_tensors`` does: the user's object is now a plain tensor, same identity.
+    The value's old Python object gets the wrapper and stands for ``w`` from then on."""
+    _swap_impl(w, real)
+    w.__class__, real.__class__ = torch.Tensor, LazyTensor
+    d = w.__dict__
+    real._ae_trace, real._ae_slot, real._ae_meta = d["_ae_trace"], d["_ae_slot"], d["_ae_meta"]
+    real._ae_error = None
+    real._ae_real = w
+    for k in _LAZY_ATTRS:
+        d.pop(k, None)
+
+
 def materialize(t: LazyTensor) -> torch.Tensor:
     """The real value of a lazy tensor, flushing its trace if it has not run yet."""
     real = t._ae_real
@@ -152,6 +176,8 @@ def materialize(t: LazyTensor) -> torch.Tensor:
                 "adaptive_eager: this tensor has no value because a deferred op before it "
                 f"failed when its trace ran: {t._ae_error!r}") from t._ae_error
         t._ae_trace.engine.flush("read")
+        if type(t) is not LazyTensor:  # it became a real tensor (Note [lazy tensors become real])
+            return t
         real = t._ae_real
         if real is None:  # the flush failed for this tensor
             return materialize(t)
