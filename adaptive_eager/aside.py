@@ -19,6 +19,14 @@ steps aside and times as many rounds of plain eager, and keeps whichever was fas
 the time between two ticks: the ends of optimizer steps, or, in programs without an optimizer,
 the ends of outermost ``nn.Module`` calls. Programs with neither have no rounds and keep the
 estimate alone. A probe after ``probe_every`` rounds aside starts the question over.
+
+Note [waiting aside]
+While a compile is in flight the engine replays its traces op by op, which is slower than eager
+(every op pays recording and replay on top of its kernel), and recording teaches nothing more:
+the trace is already hot and submitted. So at the end of a round with a compile in flight the
+engine steps aside, runs plain eager, and comes back at the first round end after the compiles
+finished, to pick up and time the programs. Rounds, as in the trial, are optimizer steps or
+outermost module calls; a program with neither replays while it waits.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ import threading
 import time
 from typing import Any
 
+import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from adaptive_eager.dispatch.lazy import LazyTensor, become_real
 from adaptive_eager.metrics import METRICS as M
 
 log = logging.getLogger("adaptive_eager")
@@ -59,6 +69,7 @@ class Presence:
         self.last_tick: float | None = None
         self.engine_round: float | None = None
         self.verdict: str | None = None  # the last trial's outcome, until a probe reopens it
+        self.waiting = False  # aside until the compiles in flight finish (Note [waiting aside])
         self._depth = 0
         self._tick_hooks: list[Any] = []
 
@@ -70,6 +81,8 @@ class Presence:
             opts = self.engine.options
             if (opts.step_flush or opts.step_aside) and self._step_hook is None:
                 self._step_hook = register_optimizer_step_post_hook(self._after_step)
+            if opts.step_aside and self.ticks_from != "step":
+                self._install_tick_hooks()  # rounds of programs without an optimizer
 
     def deactivate(self) -> None:
         if self.active:
@@ -115,23 +128,40 @@ class Presence:
             return
         if self.active and self.pending is None and self.engine.options.step_flush:
             self.engine.flush("optimizer_step")
-        self.ticks_from = "step"
+            if args:
+                realize_grads(args[0])
+        if self.ticks_from != "step":
+            self.ticks_from = "step"
+            self._remove_tick_hooks()  # optimizer steps are the rounds from now on
         self._round_ended()
 
     def _round_ended(self) -> None:
         """At a tick, in plain Python on the engine's thread (Note [measured trial])."""
         if self.trial is not None:
             self._time_round()
+        elif self.waiting:
+            if not self.engine.compiler.compiling():
+                self.waiting = False
+                self.activate()
+                log.info("adaptive_eager: compiles done; back in the engine")
         elif self.aside:
             self.steps_aside += 1
             every = self.engine.options.probe_every
             if every and self.steps_aside >= every:
                 self.aside = False
                 self.verdict = None
-                self._remove_tick_hooks()
                 self.engine.compiler.new_probe()
                 self.activate()
                 log.info("adaptive_eager: probing again after %d rounds aside", every)
+        elif (self.active and self.pending is None and M.compiles_pending
+              and self.engine.options.step_aside and self.engine.compiler.compiling()):
+            # Note [waiting aside]: a compile is in flight and op-by-op replay is slower than
+            # eager; nothing more is learned by recording until the program is ready.
+            self.engine.flush("compile_wait")
+            self.deactivate()
+            self.waiting = True
+            M.compile_waits += 1
+            log.info("adaptive_eager: plain eager while compiling")
         else:
             self.safe_point()
 
@@ -146,8 +176,6 @@ class Presence:
                 or self.pending is not None or not self.active):
             return
         self.trial, self.periods, self.last_tick = "engine", [], None
-        if self.ticks_from != "step":
-            self._install_tick_hooks()
 
     def _time_round(self) -> None:
         now = time.perf_counter()
@@ -175,7 +203,6 @@ class Presence:
                  "in plain eager"
         if engine < TRIAL_MARGIN * measured:
             self.verdict = "engine"
-            self._remove_tick_hooks()
             self.activate()
             log.info("adaptive_eager: trial: staying in the engine (%s)", detail)
         else:
@@ -193,6 +220,8 @@ class Presence:
 
     def _after_call(self, module: Any, inputs: Any, output: Any) -> None:
         if threading.get_ident() != self.thread:
+            return
+        if self._depth <= 0:  # hooks installed mid-call: this call was never counted
             return
         self._depth -= 1
         if self._depth == 0 and self.ticks_from != "step":
@@ -220,6 +249,24 @@ class Presence:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def realize_grads(optimizer: Any) -> None:
+    """Gradients kept across steps (``zero_grad(set_to_none=False)``, accumulation) are lazy
+    tensors the parameter's ``.grad`` slot also holds, so publishing cannot make them plain
+    (Note [lazy tensors become real]); after the step's flush, do it here, identity kept."""
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            g = p.grad
+            if type(g) is not LazyTensor:
+                continue
+            real = g._ae_real
+            if real is None or type(real) is not torch.Tensor or g.requires_grad:
+                continue
+            p.grad = None
+            if g._use_count() == 1:
+                become_real(g, real)
+            p.grad = g
 
 
 def _median(xs: list[float]) -> float:

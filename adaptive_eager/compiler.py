@@ -138,6 +138,7 @@ class CompileManager:
         self.hits = 0
         self.probe_start: int | None = None
         self.kept_at_probe = 0
+        self.in_flight: list[concurrent.futures.Future] = []
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
@@ -208,6 +209,7 @@ class CompileManager:
         M.compiles_pending += 1
         if self.options.compile_async:
             entry.future = self._worker().submit(work, *args)
+            self.in_flight.append(entry.future)
         else:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
@@ -326,6 +328,11 @@ class CompileManager:
                     f"{engine * 1e3:.3f} ms, plain eager about {eager * 1e3:.3f} ms")
         return None
 
+    def compiling(self) -> bool:
+        """Whether a compile or a load is still running in the background."""
+        self.in_flight = [f for f in self.in_flight if not f.done()]
+        return bool(self.in_flight)
+
     def settled(self) -> bool:
         """Every hot trace compiled and decided: the engine runs as fast as it will (the moment
         for a measured trial against plain eager, Note [measured trial] in aside.py)."""
@@ -420,6 +427,11 @@ class CompileManager:
             return True
         entry.was_hot = bool(stats.get("hot"))
         entry.varying |= set(stats.get("varying", ()))
+        if stats.get("replay_ms") and not entry.replay_s:
+            # The loaded program is timed again here; its op-by-op time comes from the run that
+            # measured it, so the keep decision and stepping aside have something to weigh it
+            # against (this process may never replay the trace).
+            entry.replay_s = [stats["replay_ms"] / 1e3]
         try:
             g = graph_mod.build(trace, live, entry.varying)
         except Exception:

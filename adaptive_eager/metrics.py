@@ -13,7 +13,7 @@ class Metrics:
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
-        "trials", "trials_running", "layout_fixes", "helper_errors",
+        "trials", "trials_running", "compile_waits", "layout_fixes", "helper_errors",
     )
 
     def __init__(self) -> None:
@@ -47,6 +47,7 @@ class Metrics:
         self.step_asides = 0  # times the engine left the mode stack because nothing gained
         self.trials = 0  # measured trials: rounds timed under the engine, then in plain eager
         self.trials_running = 0  # 1 while a trial is timing rounds (benchmarks wait for it)
+        self.compile_waits = 0  # times the engine ran plain eager while a compile was in flight
         self.layout_fixes = 0
         self.helper_errors = 0  # the compile helper process failed; compiles moved in-process  # fused outputs copied into the strides eager gives them
         self.flush_reasons: Counter[str] = Counter()

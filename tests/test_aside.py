@@ -127,3 +127,44 @@ def test_trial_without_an_optimizer_times_outermost_module_calls(
     m = ae.metrics()
     assert m["trials"] == 1 and m["step_asides"] == 1, m
     torch.testing.assert_close(torch.tensor(seen[-3:]), torch.tensor(expected))
+
+
+def test_plain_eager_while_a_compile_is_in_flight(monkeypatch: pytest.MonkeyPatch,
+                                                  cache_dir: Path) -> None:
+    """Note [waiting aside]: rounds run plain eager until the compile finishes, then the engine
+    is back and uses the program."""
+    from adaptive_eager.backends.inductor import InductorBackend
+
+    real_compile = InductorBackend.compile
+
+    def slow_compile(self: InductorBackend, graph: object) -> object:
+        time.sleep(1.5)
+        return real_compile(self, graph)
+
+    monkeypatch.setattr(InductorBackend, "compile", slow_compile)
+    _no_estimate(monkeypatch)
+    monkeypatch.setattr("adaptive_eager.aside.TRIAL_TICKS", 10_000)  # no trial in this test
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+    x, y = torch.randn(5, 6), torch.randn(5, 1)
+    ref, _ = _train(40)
+    seen: list[tuple[int, int]] = []
+    with ae.adaptive_eager(hot_after=2, compile_process=False, cache_dir=cache_dir):
+        losses = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (len(losses) < 40
+                                               or ae.metrics()["compiled_runs"] < 3):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            m = ae.metrics()
+            seen.append((m["ops_intercepted"], m["compile_waits"]))
+    m = ae.metrics()
+    assert m["compile_waits"] >= 1 and m["compiled_runs"] >= 3, m
+    waiting = [b[0] - a[0] for a, b in zip(seen, seen[1:]) if a[1] >= 1 and b[1] == a[1]]
+    assert 0 in waiting  # rounds while waiting reached no engine
+    torch.testing.assert_close(torch.tensor(losses[:40]), torch.tensor(ref), rtol=1e-4,
+                               atol=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -399,3 +400,26 @@ def test_kept_lazy_tensors_become_plain_tensors() -> None:
         assert torch.equal(opt.state[p]["exp_avg_sq"], opt_ref.state[r]["exp_avg_sq"])
     assert running.tolist() == [1.5] * 4
     assert torch.equal(w.grad, 8 * w.detach())
+
+
+def test_kept_gradients_become_plain_tensors_after_the_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    grads = []
+    for m, use_engine in ((ref, False), (model, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        ctx = ae.adaptive_eager(backend="replay") if use_engine else contextlib.nullcontext()
+        with ctx:
+            for _ in range(4):
+                opt.zero_grad(set_to_none=False)  # the same grad tensors every step
+                m(x).square().sum().backward()
+                opt.step()
+        grads.append([p.grad for p in m.parameters()])
+        if use_engine:
+            assert all(type(g) is torch.Tensor for g in grads[-1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
