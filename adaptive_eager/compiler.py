@@ -206,9 +206,11 @@ class CompileManager:
     def _start(self, entry: TraceEntry, work: Any, *args: Any) -> None:
         """Run a compile or a load in the worker thread (or now, with compile_async off)."""
         entry.state = "compiling"
-        M.compiles_pending += 1
+        with self._lock:
+            M.compiles_pending += 1
         if self.options.compile_async:
             entry.future = self._worker().submit(work, *args)
+            entry.future.add_done_callback(self._finished)
             self.in_flight.append(entry.future)
         else:
             fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -217,6 +219,7 @@ class CompileManager:
             except BaseException as err:
                 fut.set_exception(err)
             entry.future = fut
+            self._finished(fut)
             self._compiled(entry)
 
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -249,8 +252,13 @@ class CompileManager:
                 return self.backend.load(data, g), data
         return self.backend.compile(g), None
 
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        """When a compile or load ends (in the worker), even if no flush picks it up (the engine
+        may be aside meanwhile)."""
+        with self._lock:
+            M.compiles_pending = max(M.compiles_pending - 1, 0)
+
     def _compiled(self, entry: TraceEntry) -> None:
-        M.compiles_pending -= 1
         try:
             program, seconds = entry.future.result()
         except Exception as err:
