@@ -234,22 +234,26 @@ class CompileManager:
         start = time.perf_counter()
         label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
         with outside_modes(), span("adaptive_eager.compile"), progress(label):
-            program, data = self._compile_program(g)
+            program, data = self._compile_program(g, entry)
         seconds = time.perf_counter() - start
         M.compiles += 1  # counted here: a process may end before a flush picks the program up
         M.compile_seconds += seconds
         self._store(entry, g, program, seconds, data)
         return program, seconds
 
-    def _compile_program(self, g: graph_mod.TraceGraph) -> tuple[Any, bytes | None]:
+    def _compile_program(self, g: graph_mod.TraceGraph, entry: TraceEntry
+                         ) -> tuple[Any, bytes | None]:
         """The program, in the helper process where possible (Note [compile process])."""
-        if self.options.compile_process and getattr(self.backend, "separate_process", False):
+        if (self.options.compile_process and getattr(self.backend, "separate_process", False)
+                and not entry.in_process):
             try:
                 data, _ = HELPER.compile(self.backend, g)
             except HelperFailed:
                 pass  # counted and logged once by the helper's client; compile here instead
             else:
+                entry.from_bytes = True
                 return self.backend.load(data, g), data
+        entry.from_bytes = False
         return self.backend.compile(g), None
 
     def _finished(self, future: concurrent.futures.Future) -> None:
@@ -360,6 +364,21 @@ class CompileManager:
 
     def fused_failed(self, entry: TraceEntry, err: BaseException) -> None:
         M.fused_errors += 1
+        if entry.from_bytes and not entry.in_process:
+            # A program that went through serialization can fail where the compiler's in-memory
+            # one runs (an AOTAutograd runtime wrapper rebuilt from bytes, seen on a Llama
+            # trace whose outputs alias each other). Compile this trace here, keep it off disk.
+            entry.in_process = True
+            entry.program = None
+            entry.fused_s.clear()
+            entry.fused_runs = 0
+            entry.error = f"run after deserializing: {type(err).__name__}: {err}"[:500]
+            log.warning("adaptive_eager: the deserialized program of trace %s failed (%s: %s); "
+                        "compiling it in this process", entry.digest[:12], type(err).__name__,
+                        str(err)[:200])
+            self.save_stats(entry)
+            entry.state = "new"  # the next flush submits it again (not from inside a run)
+            return
         self._fail(entry, "run", err)
 
     def quarantine(self, entry: TraceEntry, why: str) -> None:
@@ -394,7 +413,7 @@ class CompileManager:
 
     def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
                seconds: float, data: bytes | None = None) -> None:
-        if self.disk is None:
+        if self.disk is None or entry.in_process:
             return
         try:
             if data is None:
@@ -435,6 +454,9 @@ class CompileManager:
             return True
         entry.was_hot = bool(stats.get("hot"))
         entry.varying |= set(stats.get("varying", ()))
+        if stats.get("in_process"):  # its deserialized program failed before: compile here
+            entry.in_process = True
+            return False
         if stats.get("replay_ms") and not entry.replay_s:
             # The loaded program is timed again here; its op-by-op time comes from the run that
             # measured it, so the keep decision and stepping aside have something to weigh it
@@ -466,6 +488,7 @@ class CompileManager:
                         "compiling it instead", entry.digest[:12], err)
             return self._compile(g, entry)
         M.disk_hits += 1
+        entry.from_bytes = True
         return program, 0.0
 
     def save_stats(self, entry: TraceEntry, hot: bool = False) -> None:
@@ -476,7 +499,7 @@ class CompileManager:
             or entry.was_hot, "decision": entry.decision, "varying": sorted(entry.varying),
             "replay_ms": entry.summary()["replay_ms"], "fused_ms": entry.summary()["fused_ms"],
             "compile_s": entry.compile_s, "n_ops": entry.n_ops, "runs": entry.runs,
-            "error": entry.error,
+            "error": entry.error, "in_process": entry.in_process,
         })
 
     def wait(self, timeout: float | None = None) -> None:

@@ -198,6 +198,27 @@ def test_helper_that_dies_moves_compiles_into_this_process(data, cache_dir: Path
     assert helper.broken is not None
 
 
+def test_deserialized_program_that_fails_is_compiled_here(data, cache_dir: Path, helper: Any,
+                                                          monkeypatch) -> None:
+    """A program that went through bytes (helper process, disk) and fails to run is compiled in
+    this process instead, and later processes compile it here too rather than load it."""
+    real_load = InductorBackend.load
+
+    def broken_load(self: Any, blob: bytes, graph: Any) -> Any:
+        program = real_load(self, blob, graph)
+
+        def run(*inputs: Any) -> Any:
+            raise IndexError("injected: list index out of range")
+        return run if program is not None else program
+
+    monkeypatch.setattr(InductorBackend, "load", broken_load)
+    m = run_loop(*data, steps=10, cache_dir=cache_dir)
+    assert m["fused_errors"] == 1 and m["compiles"] == 2 and m["compiled_runs"] >= 1, m
+    fresh_process()
+    m = run_loop(*data, steps=10, cache_dir=cache_dir)
+    assert m["fused_errors"] == 0 and m["disk_hits"] == 0 and m["compiled_runs"] >= 1, m
+
+
 def test_fused_program_that_raises_at_run_time(data, cache_dir: Path, monkeypatch) -> None:
     def compile_raising_program(self: Any, graph: Any) -> Any:
         def program(*inputs: Any) -> Any:

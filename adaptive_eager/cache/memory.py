@@ -43,7 +43,8 @@ class TraceEntry:
 
     __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
-                 "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state")
+                 "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
+                 "from_bytes", "in_process")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -67,6 +68,8 @@ class TraceEntry:
         self.graph: Any = None  # the TraceGraph the program was built from
         self.was_hot = False  # an earlier process found this trace hot
         self.loaded_state = "measuring"  # state once the pending compile or load is done
+        self.from_bytes = False  # the program was deserialized (helper process or disk)
+        self.in_process = False  # compile here only: its deserialized program failed to run
 
     def summary(self) -> dict:
         return {"trace": self.digest, "runs": self.runs, "hits": self.hits, "n_ops": self.n_ops,
