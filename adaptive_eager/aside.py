@@ -261,7 +261,8 @@ def realize_grads(optimizer: Any) -> None:
             if type(g) is not LazyTensor:
                 continue
             real = g._ae_real
-            if real is None or type(real) is not torch.Tensor or g.requires_grad:
+            if (real is None or type(real) is not torch.Tensor or g.requires_grad
+                    or real.layout is not torch.strided):
                 continue
             p.grad = None
             if g._use_count() == 1:

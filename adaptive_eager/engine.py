@@ -403,9 +403,12 @@ class Engine:
             # The same op on a pending scalar next time (autograd's seed once the loss is lazy)
             # then defers at once instead of needing a run of its own to learn its metadata.
             spec.host_learns += 1
-            mkey = _metadata_key(op, spec, args, kwargs)
-            if META_CACHE.get(mkey, _MISSING) is _MISSING:
-                META_CACHE.put(mkey, _out_spec(out, spec.ret_alias))
+            try:
+                mkey = _metadata_key(op, spec, args, kwargs)
+                if META_CACHE.get(mkey, _MISSING) is _MISSING:
+                    META_CACHE.put(mkey, _out_spec(out, spec.ret_alias))
+            except (RuntimeError, Unsupported):  # e.g. sparse inputs: nothing to learn
+                pass
         return rebind_aliases(spec.ret_alias, args, out)
 
     def run_sync(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:

@@ -17,6 +17,7 @@ from adaptive_eager.trace import Slot, Trace
 
 
 _Tensor = torch.Tensor
+_strided = torch.strided
 
 
 class MetadataMismatch(AssertionError):
@@ -112,7 +113,8 @@ def publish(trace: Trace, env: list, check: bool) -> None:
                 w._ae_real = done
                 continue
             w._ae_real = real
-            if type(real) is not _Tensor or w.requires_grad or w._use_count() != 1:
+            if (type(real) is not _Tensor or w.requires_grad or real.layout is not _strided
+                    or w._use_count() != 1):
                 continue
             if inputs is None:
                 inputs = {id(t._ae_real if type(t) is LazyTensor else t) for t in trace.ext}
