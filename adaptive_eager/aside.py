@@ -112,14 +112,16 @@ class Presence:
         """Called in plain Python on the engine's thread: act on a pending step-aside."""
         if self.pending is not None and self.active and threading.get_ident() == self.thread:
             reason, self.pending = self.pending, None
-            self.engine.flush("step_aside")
-            self.deactivate()
-            self.aside = True
-            self.steps_aside = 0
-            M.step_asides += 1
-            log.warning("adaptive_eager: stepping aside (%s); this thread runs plain eager, "
-                        "probing again after %d optimizer steps", reason,
-                        self.engine.options.probe_every)
+            self._go_aside(reason)
+
+    def _go_aside(self, reason: str) -> None:
+        self.engine.flush("step_aside")
+        self.deactivate()
+        self.aside = True
+        self.steps_aside = 0
+        M.step_asides += 1
+        log.warning("adaptive_eager: stepping aside (%s); this thread runs plain eager, "
+                    "probing again after %d rounds", reason, self.engine.options.probe_every)
 
     def _after_step(self, *args: Any) -> None:
         """After every optimizer step: end the trace there (one trace per training iteration,
@@ -207,12 +209,7 @@ class Presence:
             log.info("adaptive_eager: trial: staying in the engine (%s)", detail)
         else:
             self.verdict = "eager"
-            self.aside = True
-            self.steps_aside = 0
-            M.step_asides += 1
-            log.warning("adaptive_eager: stepping aside (trial: %s); this thread runs plain "
-                        "eager, probing again after %d rounds", detail,
-                        self.engine.options.probe_every)
+            self._go_aside(f"trial: {detail}")
 
     def _before_call(self, module: Any, inputs: Any) -> None:
         if threading.get_ident() == self.thread:
