@@ -40,6 +40,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from adaptive_eager.compiler import _median
 from adaptive_eager.dispatch.lazy import LazyTensor, become_real
 from adaptive_eager.metrics import METRICS as M
 
@@ -265,8 +266,3 @@ def realize_grads(optimizer: Any) -> None:
             if g._use_count() == 1:
                 become_real(g, real)
             p.grad = g
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]

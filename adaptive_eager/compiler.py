@@ -153,7 +153,7 @@ class CompileManager:
 
     def record_replay(self, entry: TraceEntry, seconds: float) -> None:
         if M.compiles_pending and entry.replay_s:
-            return  # a compile holding the GIL inflates this run: keep the clean samples
+            return  # a compile running alongside inflates this run: keep the clean samples
         entry.replay_s.append(seconds)
         if len(entry.replay_s) > _HISTORY:
             del entry.replay_s[0]
