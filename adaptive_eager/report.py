@@ -38,6 +38,10 @@ def summarize_run(records: list[dict]) -> dict:
         "ops_eager": m.get("ops_eager", 0), "compiles": m.get("compiles", 0),
         "compile_seconds": round(m.get("compile_seconds", 0.0), 3),
         "disk_hits": m.get("disk_hits", 0), "disk_errors": m.get("disk_errors", 0),
+        "fused_errors": m.get("fused_errors", 0), "compile_errors": m.get("compile_errors", 0),
+        "compiles_pending": m.get("compiles_pending", 0),
+        "changed_misses": sum(r.get("count", 0) for r in misses
+                              if r.get("cause") not in _FIRST_SIGHT),
         "fallbacks": m.get("fallbacks", 0), "step_asides": m.get("step_asides", 0),
         "top_traces": saved[:10],
         "traces": [_trace_row(t) for t in traces[:50]],
@@ -50,8 +54,11 @@ def summarize_run(records: list[dict]) -> dict:
 
 
 def _trace_row(t: dict) -> dict:
-    return {k: t.get(k) for k in ("trace", "runs", "hits", "n_ops", "state", "decision",
-                                  "replay_ms", "fused_ms", "compile_s", "fused_runs")}
+    row = {k: t.get(k) for k in ("trace", "runs", "hits", "n_ops", "state", "decision",
+                                 "replay_ms", "fused_ms", "compile_s", "fused_runs")}
+    if row["state"] == "compiling":  # the log is written at exit: that compile never finished
+        row["state"] = "compiling when the run ended"
+    return row
 
 
 def _miss_row(r: dict) -> dict:
@@ -104,15 +111,30 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _departures(r: dict) -> str:
+    first, changed = r.get("first_sight_misses", 0), r.get("changed_misses", 0)
+    if not first and not changed:
+        return "never"
+    return (f"{first + changed}x: {first}x at an op or shape seen for the first time, "
+            f"{changed}x where something changed (below)")
+
+
 def _format_run(r: dict) -> list[str]:
     argv = " ".join(r.get("argv") or [])
     out = [f"run {r['run_id']}  ({argv}, {r['seconds']} s)",
            f"  traces: hit rate {r['trace_hit_rate']}% ({r['trace_hits']} hits, "
-           f"{r['trace_misses']} misses, {r['first_sight_misses']} of them first sight)",
+           f"{r['trace_misses']} misses); left a known trace {_departures(r)}",
            f"  ops: {r['ops_deferred']} deferred, {r['ops_fused']} ran fused "
            f"({r['fused_share']}%), {r['ops_eager']} ran at once, {r['fallbacks']} fallbacks",
            f"  compiles: {r['compiles']} ({r['compile_seconds']} s), disk hits {r['disk_hits']}, "
            f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x"]
+    faults = [f"{r.get(k, 0)} {k.replace('_', ' ')}" for k in ("compile_errors", "fused_errors")
+              if r.get(k)]
+    if r.get("compiles_pending"):
+        faults.append(f"{r['compiles_pending']} still compiling when the run ended "
+                      "(not stored: the next run compiles them again)")
+    if faults:
+        out.append("  faults (results unchanged, ran op by op): " + ", ".join(faults))
     if r["top_traces"]:
         out.append("  top traces by time saved:")
         out.append(f"    {'trace':14} {'runs':>5} {'ops':>5} {'op-by-op ms':>12} {'fused ms':>9} "
