@@ -11,6 +11,11 @@ from adaptive_eager.api import (
 )
 from adaptive_eager.config import ConfigError
 from adaptive_eager.dispatch.lazy import LazyTensor, ValueUnavailable
+from adaptive_eager.dispatch.regions import install as _install_region_hooks
+
+# torch.compile'd functions made from here on run as compiled code inside an engine's context
+# (Note [compiled regions]); only torch.compile itself is wrapped now, torch._dynamo stays unloaded.
+_install_region_hooks()
 
 __version__ = "0.1.0"
 

@@ -14,6 +14,7 @@ from adaptive_eager.calibrate import calibrate
 from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
 from adaptive_eager.cache.memory import META_CACHE, TRIE
 from adaptive_eager.compiler import _managers, reset_managers
+from adaptive_eager.dispatch import hops, regions
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.dispatch.opspec import SPECS
@@ -51,6 +52,7 @@ class EngineContext:
         if outer:
             logging.getLogger("adaptive_eager").setLevel(self.options.log_level)
             install_parameter_patch()
+            install_feature_hooks()
             if self.options.step_aside:
                 calibrate()
             engine = Engine(self.options)
@@ -81,6 +83,14 @@ class EngineContext:
                     st.presence.close()
                 st.engine, st.presence = None, None
                 write_run_log(self.options)
+
+
+def install_feature_hooks() -> None:
+    """Rules for higher-order operators and the compiled-region hooks (Notes [higher-order
+    operators] in dispatch/hops.py, [compiled regions] in dispatch/regions.py). Cheap after the
+    first call: both skip what they already did."""
+    regions.install()
+    hops.install()
 
 
 def write_run_log(options: config.Options) -> Path | None:

@@ -1,0 +1,285 @@
+"""torch.compile regions inside the engine: compiled code runs as compiled code, on real tensors.
+
+Note [compiled regions]
+Dynamo evaluates a compiled function's frame with whatever modes are on the thread's stack. Under
+the engine that is the engine's own TorchFunctionMode and TorchDispatchMode: Dynamo traces into
+them (and fails, or produces a graph of the engine's bookkeeping), and its guards on the mode
+stack differ from the ones compiled outside the engine, so after a recompile or two the function
+silently runs uncompiled. The engine does not record what Dynamo runs. Instead, a call of a
+compiled function or module made while an engine is active on this thread:
+
+1. flushes the pending trace (the region reads real values);
+2. turns every lazy argument into its real value, bridged for autograd by ``_Bridge``: the real
+   value has no autograd history of its own, so an identity ``autograd.Function`` hands its
+   gradient back to the lazy tensor's history;
+3. takes the engine's two modes off the stack (``engine_modes_off``: only those two, wherever
+   they are; a user's own modes stay) and runs the compiled code exactly as outside the engine
+   (same guards, same compiled graph: results are bitwise the ones outside);
+4. marks the autograd nodes the region created (walking back from its outputs to its inputs):
+   their backward runs later inside the autograd engine, under the engine's modes, where a
+   compiled backward would be handed lazy tensors. A pre-hook on each takes the engine's modes off
+   for that node and materializes its gradient inputs (as Note [eager backward] in mode.py).
+
+Hooks (installed once, cheaply): ``torch.compile`` is wrapped when this package is imported, so
+functions compiled afterwards pass through ``region_call`` (torch._dynamo is not imported for
+it); once torch._dynamo is loaded, ``_TorchDynamoContext.__call__`` (every newly made compiled
+function, ``torch._dynamo.optimize`` too) and ``OptimizedModule.__call__`` (every compiled module,
+made before or after) are wrapped as well. With no engine active on the thread the wrapper is one
+thread-local read and a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from adaptive_eager.dispatch.lazy import LazyTensor, materialize, resolve_all
+from adaptive_eager.metrics import METRICS as M
+
+_pop_dispatch_key = torch._C._pop_torch_dispatch_stack
+
+
+def _pop_dispatch() -> Any:
+    return _pop_dispatch_key(None)
+
+
+_push_dispatch = torch._C._push_on_torch_dispatch_stack
+_len_dispatch = torch._C._len_torch_dispatch_stack
+_pop_function = torch._C._pop_torch_function_stack
+_push_function = torch._C._push_on_torch_function_stack
+_len_function = torch._C._len_torch_function_stack
+
+
+def _engine_mode_types() -> tuple[type, type]:
+    from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
+
+    return DeferMode, ReadGuardMode
+
+
+def active_engine() -> Any:
+    """The engine whose DeferMode is on this thread's dispatch stack (top first), or None."""
+    n = _len_dispatch()
+    if n == 0:
+        return None
+    defer = _engine_mode_types()[0]
+    for i in range(n - 1, -1, -1):
+        mode = torch._C._get_dispatch_stack_at(i)
+        if type(mode) is defer:
+            return mode.engine
+    return None
+
+
+@contextlib.contextmanager
+def engine_modes_off() -> Iterator[None]:
+    """Take the engine's DeferMode and ReadGuardMode off this thread's stacks for the block,
+    wherever they are; modes above them are popped and pushed back without them, so a user's
+    own modes stay active in the same order."""
+    defer, guard = _engine_mode_types()
+    taken_d = _take(defer, _len_dispatch, _pop_dispatch, _push_dispatch)
+    taken_f = _take(guard, _len_function, _pop_function, _push_function)
+    try:
+        yield
+    finally:
+        _give_back(taken_f, _pop_function, _push_function)
+        _give_back(taken_d, _pop_dispatch, _push_dispatch)
+
+
+def _take(kind: type, length: Callable[[], int], pop: Callable[..., Any],
+          push: Callable[[Any], None]) -> list[tuple[int, Any]]:
+    """Pop the stack down to (and including) the lowest ``kind`` mode; push back the others.
+    Returns (depth, mode) of each removed engine mode, to restore the stack exactly."""
+    n = length()
+    if n == 0:
+        return []
+    popped = [pop() for _ in range(n)]  # top first
+    popped.reverse()  # bottom first
+    kept, taken = [], []
+    for depth, mode in enumerate(popped):
+        if type(mode) is kind:
+            taken.append((depth, mode))
+        else:
+            kept.append(mode)
+    for mode in kept:
+        push(mode)
+    return taken
+
+
+def _give_back(taken: list[tuple[int, Any]], pop: Callable[..., Any],
+               push: Callable[[Any], None]) -> None:
+    if not taken:
+        return
+    n = _len_function() if pop is _pop_function else _len_dispatch()
+    current = [pop() for _ in range(n)]
+    current.reverse()
+    for depth, mode in taken:  # ascending depth: each insert lands where it was
+        current.insert(min(depth, len(current)), mode)
+    for mode in current:
+        push(mode)
+
+
+class _Bridge(torch.autograd.Function):
+    """Identity from a lazy tensor to its real value, so gradients flow back to the lazy one's
+    autograd history (the real value, computed below autograd, has none)."""
+
+    @staticmethod
+    def forward(ctx: Any, lazy: torch.Tensor, real: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return real.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _real_arg(a: Any, bridges: list[Any]) -> Any:
+    if type(a) is LazyTensor:
+        real = materialize(a)
+        if a.requires_grad and torch.is_grad_enabled():
+            with engine_modes_off():
+                out = _Bridge.apply(a, real)
+            bridges.append(out.grad_fn)
+            return out
+        return real
+    return a
+
+
+def _real_args(args: tuple, kwargs: dict, bridges: list[Any]) -> tuple[tuple, dict]:
+    from torch.utils._pytree import tree_map
+
+    def conv(a: Any) -> Any:
+        return _real_arg(a, bridges)
+
+    return tree_map(conv, args), tree_map(conv, kwargs)
+
+
+def _eager_region_node(grad_outputs: tuple) -> tuple:
+    defer = _engine_mode_types()[0]
+    if type(_get_current_dispatch_mode()) is defer:
+        _pop_dispatch()  # restored by the autograd engine after this node
+    n = _len_function()
+    if n and type(torch._C._get_function_stack_at(n - 1)) is _engine_mode_types()[1]:
+        _pop_function()
+    return resolve_all(grad_outputs)
+
+
+def _mark_backward(outputs: Any, stop: set[Any]) -> int:
+    """Pre-hook every autograd node the region made (from its outputs back to ``stop``)."""
+    from torch.utils._pytree import tree_leaves
+
+    todo = []
+    for o in tree_leaves(outputs):
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+            todo.append(o.grad_fn)
+    seen: set[Any] = set()
+    marked = 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            continue  # .grad accumulation: the engine defers it like any other
+        node.register_prehook(_eager_region_node)
+        marked += 1
+        todo.extend(fn for fn, _ in node.next_functions)
+    return marked
+
+
+def _input_nodes(args: tuple, kwargs: dict) -> set[Any]:
+    from torch.utils._pytree import tree_leaves
+
+    return {a.grad_fn for a in tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+
+
+def run_region(engine: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run compiled code inside an engine's context (Note [compiled regions])."""
+    engine.flush("compiled_region")
+    M.fallbacks += 1
+    M.fallback_ops["torch.compile region"] += 1
+    bridges: list[Any] = []
+    rargs, rkwargs = _real_args(args, kwargs, bridges)
+    with engine_modes_off():
+        out = fn(*rargs, **rkwargs)
+    if torch.is_grad_enabled():
+        stop = _input_nodes(rargs, rkwargs)
+        stop.update(bridges)
+        _mark_backward(out, stop)
+    return out
+
+
+def region_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a compiled callable so calls under an engine take the region path."""
+    if getattr(fn, "_ae_region", False):
+        return fn
+
+    @functools.wraps(fn)
+    def region(*args: Any, **kwargs: Any) -> Any:
+        if _len_dispatch():
+            engine = active_engine()
+            if engine is not None:
+                return run_region(engine, fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    region._ae_region = True  # type: ignore[attr-defined]
+    return region
+
+
+_installed = {"compile": False, "dynamo": False}
+
+
+def install() -> None:
+    """Install the region hooks (idempotent, cheap): see Note [compiled regions]."""
+    if not _installed["compile"]:
+        _installed["compile"] = True
+        original = torch.compile
+
+        @functools.wraps(original)
+        def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+            _install_dynamo()
+            out = original(model, *args, **kwargs)
+            if callable(out) and not isinstance(out, torch.nn.Module) and model is not None:
+                return region_call(out)
+            return out  # a decorator factory (model None), or an OptimizedModule
+
+        compile._ae_original = original  # type: ignore[attr-defined]
+        torch.compile = compile  # type: ignore[assignment]
+    if "torch._dynamo.eval_frame" in sys.modules:
+        _install_dynamo()
+
+
+def _install_dynamo() -> None:
+    if _installed["dynamo"]:
+        return
+    _installed["dynamo"] = True
+    from torch._dynamo import eval_frame
+
+    ctx_call = eval_frame._TorchDynamoContext.__call__
+
+    @functools.wraps(ctx_call)
+    def __call__(self: Any, fn: Any) -> Any:
+        out = ctx_call(self, fn)
+        if (callable(out) and not isinstance(out, torch.nn.Module) and not isinstance(fn, type)
+                and isinstance(self, eval_frame.OptimizeContext)):
+            return region_call(out)
+        return out
+
+    eval_frame._TorchDynamoContext.__call__ = __call__  # type: ignore[method-assign]
+
+    mod_call = eval_frame.OptimizedModule.__call__
+
+    @functools.wraps(mod_call)
+    def module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _len_dispatch():
+            engine = active_engine()
+            if engine is not None:
+                return run_region(engine, functools.partial(mod_call, self), args, kwargs)
+        return mod_call(self, *args, **kwargs)
+
+    eval_frame.OptimizedModule.__call__ = module_call  # type: ignore[method-assign]
