@@ -3,14 +3,27 @@
 This module is deliberately top-level and tiny: torch imports it inside ``import torch`` for every
 program on a machine where adaptive_eager is installed, so with the flag unset it must cost nothing
 (one environment lookup; the adaptive_eager package is not imported).
+
+A bad setting stops the program here with one line naming the variable and what it accepts, and
+exit status 2: torch wraps an Exception from this entry point in its generic "Failed to load the
+backend extension" error, but lets SystemExit through.
 """
 
 import os
+import sys
+
+# What TORCHINDUCTOR_CACHE_DIR was when torch was imported, before ``import torch._dynamo``
+# writes torch's shared default into it (Note [Inductor kernel folder]).
+INDUCTOR_DIR_AT_IMPORT = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def autoload() -> None:
     if os.environ.get("ADAPTIVE_EAGER", "").strip().lower() in ("", "0", "false", "no", "off"):
         return
-    from adaptive_eager.launch import enable_from_env
+    try:
+        from adaptive_eager.launch import enable_from_env
 
-    enable_from_env()
+        enable_from_env()
+    except ValueError as err:  # ConfigError, UnknownBackend: the user's setting, not a bug
+        print(f"adaptive_eager: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

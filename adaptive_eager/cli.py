@@ -74,51 +74,53 @@ def cmd_explain(ns: argparse.Namespace) -> int:
 
 def cmd_cache(ns: argparse.Namespace) -> int:
     disk = _open_disk(ns.cache_dir)
-    raw = disk.raw()
     try:
-        if ns.action == "ls":
+        if ns.action == "ls":  # headers only: no artifact is parsed, let alone loaded
             kinds: dict[str, int] = {}
             for key in disk.keys():
                 kind = key.split(":", 1)[0]
                 kinds[kind] = kinds.get(kind, 0) + 1
                 if kind == "program" and not ns.quiet:
-                    value = raw.get(key)
-                    info = value.get("info", {}) if isinstance(value, dict) else {}
-                    size = len(value.get("artifact", b"")) if isinstance(value, dict) else 0
+                    value = disk.program_info(key)
+                    if value is None:
+                        print(f"program {key[8:24]}  (refused: not verified)")
+                        continue
+                    info = value.get("info") if isinstance(value.get("info"), dict) else {}
                     print(f"program {key[8:24]}  backend={value.get('backend', '?')}  "
-                          f"ops={info.get('n_ops', '?')}  {size / 1024:.0f} KiB  "
+                          f"ops={info.get('n_ops', '?')}  {value.get('size', 0) / 1024:.0f} KiB  "
                           f"torch={value.get('torch', '?')}")
+            disk.enforce_limit(rescan=True, limit=1 << 62)  # measure only
             print(f"{disk.directory}: " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
-                  + f"; {raw.volume() / (1 << 20):.1f} MiB")
+                  + f"; {disk.usage() / (1 << 20):.1f} MiB")
         elif ns.action == "clear":
-            n = raw.clear()
+            n = disk.clear()
             print(f"removed {n} entries from {disk.directory}")
         elif ns.action == "prune":
             if ns.max_size is None:
                 print("adaptive-eager: cache prune needs --max-size", file=sys.stderr)
                 return 2
-            raw.reset("size_limit", ns.max_size)
-            removed = raw.cull()
-            print(f"removed {removed} entries; {raw.volume() / (1 << 20):.1f} MiB left")
+            removed = disk.enforce_limit(rescan=True, limit=ns.max_size)
+            print(f"removed {removed} entries; {disk.usage() / (1 << 20):.1f} MiB left")
     finally:
         disk.close()
     return 0
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    """Programs, statistics and quarantine marks into one tar.gz (artifacts as raw files)."""
+    """Verified programs, statistics and quarantine marks into one tar.gz (artifacts as raw
+    files, metadata as JSON)."""
     disk = _open_disk(ns.cache_dir)
-    raw = disk.raw()
     manifest = []
     with tarfile.open(ns.file, "w:gz") as tar:
         for i, key in enumerate(disk.keys()):
-            value = raw.get(key)
-            if not isinstance(value, dict):
+            entry = disk.get_entry(key)
+            if entry is None:  # failed verification: not exported
                 continue
-            item = {"key": key, "value": {k: v for k, v in value.items() if k != "artifact"}}
-            if "artifact" in value:
+            header, payload = entry
+            item: dict[str, Any] = {"key": key, "value": header}
+            if payload:
                 name = f"artifacts/{i}.bin"
-                _add_bytes(tar, name, value["artifact"])
+                _add_bytes(tar, name, payload)
                 item["artifact"] = name
             manifest.append(item)
         _add_bytes(tar, "manifest.json", json.dumps(manifest, default=str).encode())
@@ -128,21 +130,22 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_import(ns: argparse.Namespace) -> int:
-    """Entries from an export file; compiled programs are code: import only files you trust."""
+    """Entries from an export file; compiled programs are code: import only files you trust
+    (importing is vouching for them: they are signed with this cache's key)."""
     disk = _open_disk(ns.cache_dir)
-    raw = disk.raw()
     count = 0
-    with tarfile.open(ns.file, "r:gz") as tar:
+    with tarfile.open(ns.file, "r:gz") as tar:  # read by name only: nothing is extracted
         manifest = json.loads(_read(tar, "manifest.json"))
-        for item in manifest:
-            key, value = item["key"], dict(item["value"])
-            if not isinstance(key, str) or key.split(":", 1)[0] not in (
-                    "program", "stats", "quarantine"):
+        for item in manifest if isinstance(manifest, list) else []:
+            if not isinstance(item, dict):
                 continue
-            if "artifact" in item:
-                value["artifact"] = _read(tar, item["artifact"])
-            raw.set(key, value)
-            count += 1
+            key, header = item.get("key"), item.get("value")
+            if not isinstance(key, str) or not isinstance(header, dict):
+                continue
+            artifact = item.get("artifact")
+            payload = _read(tar, artifact) if isinstance(artifact, str) else b""
+            if disk.put_entry(key, header, payload):
+                count += 1
     disk.close()
     print(f"imported {count} entries into {disk.directory}")
     return 0

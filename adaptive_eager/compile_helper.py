@@ -1,10 +1,24 @@
-"""Entry point of the compile helper process: ``python -m adaptive_eager.compile_helper``.
+"""Entry point of the compile helper process (Note [compile process] in compile_process.py).
 
-Kept apart from compile_process.py so that running it does not execute a module the package has
-already imported (see Note [compile process] there).
+Started as ``python -I -c <bootstrap>`` (compile_process.helper_command), which calls ``main``;
+``python -m adaptive_eager.compile_helper`` still works by hand. Kept apart from compile_process.py
+so that running it does not execute a module the package has already imported.
 """
 
-from adaptive_eager.compile_process import serve
+import os
+import sys
+
+
+def main() -> None:
+    from adaptive_eager.compile_process import serve
+
+    serve()
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    os._exit(0)  # no interpreter teardown: nothing left to say, nothing to print on a dead pipe
+
 
 if __name__ == "__main__":
-    serve()
+    main()

@@ -10,9 +10,15 @@ as metadata only (compiling reads no values), the helper compiles with the same 
 and answers with the serialized program, which this process loads (on CPU the kernels are
 already built in the shared Inductor cache folder, so loading runs no compiler).
 
-The helper is ``python -m adaptive_eager.compile_helper``: started at the first compile, with
-``ADAPTIVE_EAGER=0`` so the engine is not switched on inside it, serving one compile at a time,
-and exiting when its stdin closes (this process exited). It runs at ``HELPER_NICE``: where no
+The helper is ``python -I`` running adaptive_eager.compile_helper: started at the first compile,
+with ``ADAPTIVE_EAGER=0`` so the engine is not switched on inside it, serving one compile at a
+time, and exiting quietly when its stdin closes or its parent is gone (no traceback, also not for
+Ctrl-C, which the parent handles). Isolated mode (``-I``) keeps the working folder, PYTHON*
+variables and the user site off ``sys.path``: a module planted in a world-writable working folder
+is never imported. The package itself is loaded from the folder this process loaded it from (the
+bootstrap below), everything else from the interpreter's own paths, so a backend object must come
+from an installed package (one defined in the script is "unusable" there and compiles here). The
+helper compiles into the same Inductor kernel folder as this process (sent with each request). It runs at ``HELPER_NICE``: where no
 core is idle the program keeps a slight priority. A backend opts in with
 ``separate_process = True``. A compile that fails in the helper fails as it would here (the trace
 stays op by op); a helper that cannot start, dies or answers garbage is counted
@@ -89,16 +95,34 @@ def _example(spec: tuple) -> Any:
 
 
 def _flags() -> dict[str, Any]:
+    from adaptive_eager.backends.inductor import chosen_kernel_dir
+
     return {"matmul_precision": torch.get_float32_matmul_precision(),
             "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+            "inductor_cache": chosen_kernel_dir()}
 
 
 def _apply_flags(flags: dict[str, Any]) -> None:
+    from adaptive_eager.backends.inductor import use_kernel_dir
+
     torch.set_float32_matmul_precision(flags["matmul_precision"])
     torch.use_deterministic_algorithms(flags["deterministic"])
     if flags["inductor_cache"]:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = flags["inductor_cache"]
+        use_kernel_dir(flags["inductor_cache"])
+
+
+# The helper's first lines, run by ``python -I -c``: adaptive_eager (only it) from the folder the
+# parent loaded it from, appended last so nothing there shadows the standard library.
+_BOOT = ("import sys, importlib.machinery as m, importlib.util as u\n"
+         "s = m.PathFinder.find_spec('adaptive_eager', [sys.argv[1]])\n"
+         "p = u.module_from_spec(s); sys.modules['adaptive_eager'] = p; s.loader.exec_module(p)\n"
+         "from adaptive_eager.compile_helper import main\n"
+         "main()\n")
+
+
+def helper_command() -> list[str]:
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [sys.executable, "-I", "-c", _BOOT, package_root]
 
 
 class CompileProcess:
@@ -145,12 +169,9 @@ class CompileProcess:
             raise HelperFailed(f"the helper exited with status {proc.returncode}")
         env = dict(os.environ)
         env["ADAPTIVE_EAGER"] = "0"  # the helper must not switch the engine on for itself
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH"))
-                                            if p)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "adaptive_eager.compile_helper"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=None, env=env, close_fds=True)
+            helper_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+            env=env, close_fds=True)
         return self._proc
 
     def _give_up(self, why: str) -> None:
@@ -177,8 +198,22 @@ class CompileProcess:
 HELPER = CompileProcess()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Mid-compile, stdin EOF is not seen: leave as soon as the parent is gone."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
 def serve() -> None:
-    """The helper's loop: requests on stdin, answers on the original stdout."""
+    """The helper's loop: requests on stdin, answers on the original stdout; returns (quietly)
+    when the parent closes the pipe or is gone."""
+    import signal
+
+    # Ctrl-C reaches the whole process group: the parent handles it and closes the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     if hasattr(os, "nice"):
         # The program comes first: on a busy machine the compile (and the C++ compilers it
         # starts, which inherit this) takes the CPU time the program leaves idle.
@@ -186,10 +221,21 @@ def serve() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # compilers' prints must not corrupt the answers
     inp = sys.stdin.buffer
+    try:
+        _serve(inp, out)
+    except (BrokenPipeError, EOFError, ConnectionError):
+        pass  # the parent is gone: nothing to answer, nothing to report
+    try:
+        out.close()
+    except OSError:
+        pass
+
+
+def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     while True:
         try:
             backend, graph, flags = _read(inp)
-        except EOFError:
+        except (EOFError, OSError):
             return
         except Exception as err:  # e.g. a backend class this process cannot import
             _write(out, ("unusable", f"{type(err).__name__}: {err}", 0.0))

@@ -37,6 +37,23 @@ def _parse_pos_int(name: str, raw: str) -> int:
     return value
 
 
+def _int_in(lo: int, hi: int) -> Callable[[str, str], int]:
+    """A parser for integers in [lo, hi] whose message says what the variable accepts."""
+    what = (f"a positive integer, at most {hi}" if lo == 1 else f"an integer from {lo} to {hi}")
+
+    def parse(name: str, raw: str) -> int:
+        try:
+            value = int(raw.strip().replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r}: expected {what}") from None
+        if not lo <= value <= hi:
+            raise ConfigError(f"{name}={raw!r}: expected {what}")
+        return value
+
+    parse.accepts = what  # type: ignore[attr-defined]
+    return parse
+
+
 def _parse_str(name: str, raw: str) -> str:
     value = raw.strip()
     if not value:
@@ -76,7 +93,7 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("max_trace_ops", "ADAPTIVE_EAGER_MAX_TRACE_OPS", _parse_pos_int, 4096,
+    Setting("max_trace_ops", "ADAPTIVE_EAGER_MAX_TRACE_OPS", _int_in(1, 1_000_000), 4096,
             "Longest trace before it is flushed (a sync point)."),
     Setting("check", "ADAPTIVE_EAGER_CHECK", _parse_bool, False,
             "Verify at replay that each real output has the shape/stride/dtype the lazy tensor "
@@ -86,13 +103,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("backend", "ADAPTIVE_EAGER_BACKEND", _parse_str, "inductor",
             "Compiler for hot traces: inductor, replay (never compiles), or a name registered "
             "in the adaptive_eager.backends entry-point group."),
-    Setting("hot_after", "ADAPTIVE_EAGER_HOT_AFTER", _parse_pos_int, 3,
+    Setting("hot_after", "ADAPTIVE_EAGER_HOT_AFTER", _int_in(1, 1_000_000), 3,
             "A trace is compiled once it has run this many times."),
     Setting("cache_dir", "ADAPTIVE_EAGER_CACHE_DIR", _parse_str, "",
             "Disk cache folder (default: $XDG_CACHE_HOME/adaptive_eager or "
             "~/.cache/adaptive_eager). Must be private to the user."),
-    Setting("cache_size_mb", "ADAPTIVE_EAGER_CACHE_SIZE_MB", _parse_pos_int, 2048,
-            "Disk cache size limit; least recently used entries are evicted beyond it."),
+    Setting("cache_size_mb", "ADAPTIVE_EAGER_CACHE_SIZE_MB", _int_in(1, 10_000_000), 2048,
+            "Size limit of the cache folder (programs, Inductor kernels, run logs), 1 to "
+            "10000000; least recently used programs and kernels are evicted beyond it."),
     Setting("disk_cache", "ADAPTIVE_EAGER_DISK_CACHE", _parse_bool, True,
             "Use the disk cache (off: compile in every process)."),
     Setting("crosscheck", "ADAPTIVE_EAGER_CROSSCHECK", _parse_bool, False,
@@ -108,7 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("step_flush", "ADAPTIVE_EAGER_STEP_FLUSH", _parse_bool, True,
             "End the trace after every optimizer step, so each training iteration is one "
             "trace that repeats (like torch_xla's mark_step)."),
-    Setting("probe_every", "ADAPTIVE_EAGER_PROBE_EVERY", _parse_nonneg_int, 2000,
+    Setting("probe_every", "ADAPTIVE_EAGER_PROBE_EVERY", _int_in(0, 1_000_000_000), 2000,
             "After stepping aside, re-enter to measure again after this many optimizer steps "
             "(0: never)."),
 )

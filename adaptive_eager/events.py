@@ -3,6 +3,9 @@
 Nothing here runs per op. Misses are noted when a trace ends (explain.py says why), aggregated by
 (cause, op, source line), and written with per-trace statistics as one JSON-lines file per run in
 ``<cache dir>/runs/``. Files are bounded (top traces, top misses) and only the newest runs are kept.
+The runs folder and its files obey the cache trust rule (Note [cache trust rule]): a ``runs`` that
+is a link, or belongs to someone else, is neither written, read nor pruned, and pruning deletes only
+plain files this user owns, by the names this module made, never through a link.
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import stat
 import sys
 import time
 import uuid
 from pathlib import Path
+
+from adaptive_eager.cache import trust
 
 log = logging.getLogger("adaptive_eager")
 
@@ -21,6 +28,7 @@ MAX_MISS_GROUPS = 500
 MAX_TRACES = 200
 MAX_OPS_LISTED = 400
 KEEP_RUNS = 50
+_RUN_FILE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}\.jsonl$")
 
 
 class RunLog:
@@ -60,29 +68,47 @@ class RunLog:
     def write(self, directory: Path, entries: list, metrics: dict) -> Path | None:
         """Append this run's records to its file; never raises (a log must not break a run)."""
         try:
-            runs = directory / "runs"
-            runs.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path = runs / f"{self.run_id}.jsonl"
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as f:
+            root = trust.check_root(directory, create=True)
+            runs = trust.private_subdir(root, "runs")
+            name = f"{self.run_id}.jsonl"
+            tmp = f"{self.run_id}.{os.getpid()}.tmp"
+            fd = trust.open_private(runs, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
                 for rec in self.records(entries, metrics):
                     f.write(json.dumps(rec, default=str) + "\n")
-            os.replace(tmp, path)  # atomic: a reader never sees half a file
+            os.replace(runs / tmp, runs / name)  # atomic: a reader never sees half a file
             _prune(runs)
-            return path
+            return runs / name
+        except trust.Untrusted as err:
+            from adaptive_eager.metrics import METRICS
+
+            METRICS.disk_errors += 1
+            log.warning("adaptive_eager: not writing the run log: %s", err)
+            return None
         except Exception as err:
             log.warning("adaptive_eager: could not write the run log: %s", err)
             return None
 
 
 def _by_age(folder: Path) -> list[Path]:
-    """The run files, oldest first; files another process deletes meanwhile are left out."""
+    """This user's plain run files, oldest first; links, foreign files and files another
+    process deletes meanwhile are left out."""
     aged = []
-    for p in folder.glob("*.jsonl"):
-        try:
-            aged.append((p.stat().st_mtime, p))
-        except OSError:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        if not _RUN_FILE.match(name):
             continue
+        p = folder / name
+        try:
+            st = os.lstat(p)
+            trust.check_own(p, st)
+        except (OSError, trust.Untrusted):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            aged.append((st.st_mtime, p))
     return [p for _, p in sorted(aged)]
 
 
@@ -90,22 +116,34 @@ def _prune(runs: Path) -> None:
     files = _by_age(runs)
     for old in files[:-KEEP_RUNS]:
         try:
-            old.unlink()
+            old.unlink()  # a plain file (lstat above); unlink never follows a link anyway
         except OSError:
             pass
 
 
+def _runs_folder(directory: Path) -> Path | None:
+    """``directory/runs`` if it passes the trust rule, else None (with a warning)."""
+    try:
+        root = trust.check_root(directory, create=False)
+        return trust.private_subdir(root, "runs", create=False)
+    except FileNotFoundError:
+        return None
+    except trust.Untrusted as err:
+        log.warning("adaptive_eager: not reading run logs: %s", err)
+        return None
+
+
 def read_runs(directory: Path) -> list[list[dict]]:
     """All run logs under ``directory``, oldest first; unreadable lines are skipped."""
-    runs = []
-    folder = directory / "runs"
-    if not folder.is_dir():
+    runs: list[list[dict]] = []
+    folder = _runs_folder(directory)
+    if folder is None:
         return runs
     for path in _by_age(folder):
         recs = []
         try:
-            text = path.read_text()
-        except OSError:  # pruned by another process since
+            text = trust.read_private(folder, path.name, 64 << 20).decode("utf-8", "replace")
+        except (OSError, trust.Untrusted):  # pruned by another process since, or replaced
             continue
         for line in text.splitlines():
             try:

@@ -4,17 +4,35 @@ Fused C++ kernels on CPU, Triton on CUDA. Programs are specialized to the exampl
 (the trace key already fixes every shape). Compiled with ``aot=True``, an artifact serializes to
 bytes in memory (15-40 kB for small graphs) and deserializes in milliseconds. On CPU the artifact
 holds C++ source: the compiled kernels live in Inductor's cache folder, which the engine points
-into its own cache folder (unless TORCHINDUCTOR_CACHE_DIR is set), so a warm process also finds
-the kernels and runs no compiler. Artifacts are specific to one torch build: the build's key is
+into its own cache folder, so a warm process also finds the kernels and runs no compiler.
+
+Note [Inductor kernel folder]
+Inductor dlopens the kernels it finds in its cache folder, so that folder obeys the cache trust
+rule (Note [cache trust rule]). Its default, ``<tmp>/torchinductor_<user>``, is shared: another
+user can create it first. And ``import torch._dynamo`` (any torch.optim optimizer does it) calls
+``cache_dir()``, which writes that default into TORCHINDUCTOR_CACHE_DIR, so the variable being
+set does not mean the user chose it. A value counts as the user's choice when it differs from
+torch's default or was already set when torch was imported (adaptive_eager_autoload records it);
+it is used only if it passes the trust rule, else a warning names it and the private folder is
+used. Torch reads the variable on every ``cache_dir()`` call; precompiled headers use a path fixed
+at import from the default (``codecache._HEADER_DIR``), which is pointed into the same folder. The
+helper process gets the folder with each request. Without a disk cache (or before one is open),
+a compile uses a private temporary folder of this process. Artifacts are specific to one torch build: the build's key is
 stored with each and checked on load.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 from typing import Any
 
 import torch
+
+log = logging.getLogger("adaptive_eager")
+
+_kernel_dir: str | None = None  # where this process points Inductor (None: not chosen yet)
 
 class InductorBackend:
     name = "inductor"
@@ -28,10 +46,19 @@ class InductorBackend:
         return f"inductor:{sorted(self.options.items())}"
 
     def compile(self, graph: Any) -> Any:
+        ensure_kernel_dir()
         with torch.no_grad():  # an inference program: autograd already ran above the engine
             return torch._inductor.standalone_compile(
                 graph.gm, _detached(graph.example_inputs), dynamic_shapes="from_example_inputs",
                 options=self.options, aot=True)
+
+    def warm_up(self) -> None:
+        """Import what loading a program needs (seconds in a fresh interpreter)."""
+        from torch._inductor import compile_fx, standalone_compile  # noqa: F401
+
+    def prepare(self, cache_dir: str) -> None:
+        """Keep Inductor's kernels in ``<cache dir>/inductor`` (Note [Inductor kernel folder])."""
+        use_kernel_dir(choose_kernel_dir(cache_dir))
 
     def serialize(self, program: Any) -> bytes:
         return _build_key() + program.serialize()
@@ -39,6 +66,7 @@ class InductorBackend:
     def load(self, data: bytes, graph: Any) -> Any:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
 
+        ensure_kernel_dir()
         key = _build_key()
         if not data.startswith(key):
             raise ValueError("artifact was compiled by another torch build")
@@ -52,17 +80,113 @@ def _build_key() -> bytes:
     return b"AE1" + torch_key()[:32].ljust(32, b"\0")
 
 
-    def warm_up(self) -> None:
-        """Import what loading a program needs (seconds in a fresh interpreter)."""
-        from torch._inductor import compile_fx, standalone_compile  # noqa: F401
-
-    def prepare(self, cache_dir: str) -> None:
-        """Keep Inductor's compiled kernels next to the programs, unless the user chose a
-        folder (TORCHINDUCTOR_CACHE_DIR), so a warm process finds them and runs no compiler."""
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
-
-
 def _detached(inputs: list[Any]) -> list[Any]:
     """Compile for inference: the engine runs programs below autograd, on detached aliases."""
     return [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
+
+
+def _torch_default() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
+
+
+def user_kernel_dir() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR if the user set it (not torch writing its default back)."""
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not value:
+        return None
+    if os.path.abspath(value) != _torch_default():
+        return value
+    import sys
+
+    autoload = sys.modules.get("adaptive_eager_autoload")
+    at_import = getattr(autoload, "INDUCTOR_DIR_AT_IMPORT", None)
+    return value if at_import and os.path.abspath(at_import) == os.path.abspath(value) else None
+
+
+def choose_kernel_dir(cache_dir: str) -> str:
+    """The user's TORCHINDUCTOR_CACHE_DIR if it passes the trust rule, else ``<cache>/inductor``."""
+    from adaptive_eager.cache import trust
+    from adaptive_eager.metrics import METRICS
+
+    chosen = user_kernel_dir()
+    private = os.path.join(cache_dir, "inductor")
+    if chosen is not None:
+        try:
+            path = trust.check_root(chosen, create=True)
+            bad = trust.scan(path)[2]
+            if bad:
+                raise trust.Untrusted(next(iter(bad.values())))
+            return str(path)
+        except (trust.Untrusted, OSError) as err:
+            METRICS.disk_errors += 1
+            log.warning("adaptive_eager: not using TORCHINDUCTOR_CACHE_DIR=%s (%s); Inductor "
+                        "kernels go to %s instead", chosen, err, private)
+    from adaptive_eager.cache.disk import KERNEL_DIRS_OK
+
+    try:
+        root = trust.check_root(cache_dir, create=False)
+        path = str(trust.private_subdir(root, "inductor"))
+        if path in KERNEL_DIRS_OK:  # checked when the cache opened, and writable
+            return path
+        log.info("adaptive_eager: the cache folder is read-only: Inductor kernels go to a "
+                 "temporary folder")
+    except (trust.Untrusted, OSError) as err:  # checked at open; changed since: not ours
+        METRICS.disk_errors += 1
+        log.warning("adaptive_eager: cannot keep Inductor kernels in %s (%s); using a "
+                    "temporary folder", private, err)
+    return _temporary_dir()
+
+
+def _temporary_dir() -> str:
+    """A 0700 folder of this process, removed at exit (kernels are then compiled again)."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix="adaptive_eager-inductor-")
+    pid = os.getpid()
+    atexit.register(lambda: os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
+    return path
+
+
+def use_kernel_dir(path: str) -> None:
+    """Point Inductor (the variable and the paths it fixed at import) at ``path``."""
+    global _kernel_dir
+    _kernel_dir = path
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    import sys
+
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is not None:
+        _point_headers(codecache, path)
+
+
+def _point_headers(codecache: Any, path: str) -> None:
+    headers = os.path.join(path, "precompiled_headers")
+    if getattr(codecache, "_HEADER_DIR", headers) != headers:
+        codecache._HEADER_DIR = headers
+        codecache._HEADER_LOCK_DIR = os.path.join(headers, "locks")
+
+
+def kernel_dir() -> str | None:
+    return _kernel_dir
+
+
+def chosen_kernel_dir() -> str:
+    """The folder for this process's kernels, choosing a temporary one if none was chosen (no
+    disk cache); also puts it back into the variable should anything have reset it."""
+    global _kernel_dir
+    if _kernel_dir is None:
+        _kernel_dir = _temporary_dir()
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != _kernel_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _kernel_dir
+    return _kernel_dir
+
+
+def ensure_kernel_dir() -> None:
+    """Before Inductor compiles or loads anything."""
+    path = chosen_kernel_dir()
+    import torch._inductor.codecache as codecache
+
+    _point_headers(codecache, path)
