@@ -11,6 +11,21 @@ INPLACE_VIEW t_/squeeze_/resize_/set_/as_strided_ change a tensor's metadata, wh
              follow lazily (trap 3): flush, run, then refresh the wrapper's sizes.
 SYNC         the result is a Python value or its shape depends on data (item, nonzero): flush.
 FALLBACK     everything the engine does not model (out= variants, non-aten namespaces, storages).
+
+Note [custom ops]
+A user's own op (``torch.library.custom_op``, or ``torch.library.define`` plus ``register_fake``)
+is deferred like an aten op when it has a fake implementation: registering one is the user's
+statement, as torch.compile requires, that the op is functional apart from the inputs its schema
+says it writes, so running it later, at the flush, is what eager would have computed. Its output
+metadata comes from running it once (Note [metadata by running]), as for aten ops, so a wrong fake
+impl cannot give a wrong lazy tensor; it replays as itself, and in a fused program it is an extern
+call (Inductor's fallback kernel for an op with a fake impl). Ops whose schema writes an input
+(``mutates_args``) are deferred too when they return nothing or only new tensors: the write lands
+in program order at replay, as aten in-place ops do; custom ops may not return aliases of inputs.
+Ops without a fake impl, and namespaces of communication and runtime ops (``c10d``,
+``_c10d_functional``, ...), whose effects are outside the tensors they take, keep the
+flush-and-run fallback. A custom op that draws random numbers must say so with
+``tags=torch.Tag.nondeterministic_seeded`` (then it runs at once, in program order, as RANDOM).
 """
 
 from __future__ import annotations
@@ -105,7 +120,9 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
     if op in _PASSTHROUGH_OPS:
         return PASSTHROUGH, "metadata only"
     if ns != "aten":
-        return FALLBACK, f"non-aten op ({ns})"
+        why = _custom_op_fallback(op, ns)
+        if why is not None:
+            return FALLBACK, why
     if any(a.is_out for a in schema.arguments):
         return FALLBACK, "out= variant (may resize its output)"
     for a in schema.arguments:
@@ -128,6 +145,36 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         if str(r.type) not in _TENSOR_RETURNS:
             return SYNC, f"returns {r.type}"
     return DEFER, "deferred"
+
+
+# Namespaces whose ops act outside the tensors they are given (communication, runtime state).
+_EFFECT_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor",
+                      "_quantized", "profiler", "prims", "debugprims", "inductor", "higher_order",
+                      "_inductor_test", "fsdp", "streams")
+
+
+def _custom_op_fallback(op: torch._ops.OpOverload, ns: str) -> str | None:
+    """Why a non-aten op cannot be deferred, or None when it is a user op with a fake impl
+    (Note [custom ops])."""
+    if ns in _EFFECT_NAMESPACES:
+        return f"non-aten op ({ns})"
+    if not has_fake_impl(op):
+        return f"non-aten op ({ns}) without a fake impl"
+    return None
+
+
+def has_fake_impl(op: torch._ops.OpOverload) -> bool:
+    """Whether the user registered a fake (meta) implementation for ``op``."""
+    try:
+        from torch._library.custom_ops import OPDEFS
+        from torch._library.simple_registry import singleton
+    except ImportError:  # pragma: no cover - a torch without the custom-op library
+        return False
+    opdef = OPDEFS.get(op._name)
+    if opdef is not None:
+        # custom_op always registers a fake kernel that raises until register_fake is called
+        return opdef._abstract_fn is not None
+    return singleton.find(op._name).fake_impl.kernel is not None
 
 
 SPECS: dict[torch._ops.OpOverload, OpSpec] = {}
