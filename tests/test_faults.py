@@ -67,19 +67,21 @@ def test_garbage_entry_is_skipped_and_recompiled(data, cache_dir: Path) -> None:
     assert keys
     disk = DiskCache(cache_dir, 1 << 30)
     for k in keys:
-        disk.raw().set(k, b"\x00garbage")
+        disk.raw_set(k, b"\x00garbage")
     disk.close()
     fresh_process()
     m = run_loop(*data, cache_dir=cache_dir)
     assert m["disk_errors"] >= 1 and m["compiles"] >= 1 and m["fused_errors"] == 0
 
 
-def test_truncated_value_file_is_skipped(data, cache_dir: Path) -> None:
+def test_truncated_value_is_skipped(data, cache_dir: Path) -> None:
     run_loop(*data, cache_dir=cache_dir)
-    files = [p for p in cache_dir.rglob("*.val")]
-    assert files, "programs are large enough to live in their own files"
-    for p in files:
-        p.write_bytes(p.read_bytes()[:100])  # a write cut short
+    disk = DiskCache(cache_dir, 1 << 30)
+    for k in program_entries(cache_dir):
+        blob = disk.raw_get(k)
+        assert blob is not None and len(blob) > 1000
+        disk.raw_set(k, blob[:len(blob) // 2])  # a write cut short
+    disk.close()
     fresh_process()
     m = run_loop(*data, cache_dir=cache_dir)
     assert m["disk_errors"] >= 1 and m["compiles"] >= 1
@@ -89,9 +91,10 @@ def test_entry_from_another_torch_version_is_skipped(data, cache_dir: Path) -> N
     run_loop(*data, cache_dir=cache_dir)
     disk = DiskCache(cache_dir, 1 << 30)
     for k in program_entries(cache_dir):
-        value = disk.raw().get(k)
-        value["torch"] = "1.0.0"
-        disk.raw().set(k, value)
+        entry = disk.get_entry(k)
+        assert entry is not None
+        header, artifact = entry
+        disk.put_entry(k, {**header, "torch": "1.0.0"}, artifact)  # as that version signs it
     disk.close()
     fresh_process()
     m = run_loop(*data, cache_dir=cache_dir)
@@ -109,19 +112,18 @@ def test_unusable_cache_folder_runs_without_disk_cache(data, tmp_path: Path,
 
 
 def test_read_only_or_full_cache_folder(data, cache_dir: Path, monkeypatch) -> None:
-    import diskcache
-
+    # Faults injected where a value is written (a real read-only folder: test_security.py).
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise sqlite3.OperationalError("attempt to write a readonly database")
 
-    monkeypatch.setattr(diskcache.Cache, "set", refuse)
+    monkeypatch.setattr(DiskCache, "encode", refuse)
     m = run_loop(*data, cache_dir=cache_dir)
     assert m["disk_errors"] >= 1 and m["compiles"] >= 1
 
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(diskcache.Cache, "set", full)
+    monkeypatch.setattr(DiskCache, "encode", full)
     fresh_process()
     m = run_loop(*data, cache_dir=cache_dir)
     assert m["disk_errors"] >= 1
@@ -299,15 +301,17 @@ def test_backend_from_entry_point_group(monkeypatch) -> None:
 
 _KILLED = textwrap.dedent("""
     import os, sys, torch
-    import diskcache.core
     import adaptive_eager as ae
-    real_store = diskcache.core.Disk.store
-    def store_then_die(self, value, read, key=diskcache.core.UNKNOWN):
-        if isinstance(value, dict) and "artifact" in value:
-            result = real_store(self, value, read, key)  # the value file is written...
-            os._exit(9)  # ...and the process dies before the index row commits
-        return real_store(self, value, read, key)
-    diskcache.core.Disk.store = store_then_die
+    from adaptive_eager.cache.disk import DiskCache
+    real_sql = DiskCache._sql
+    def sql_then_die(self, query, args=()):
+        if query.startswith("INSERT") and args and str(args[0]).startswith("program:"):
+            conn = self._db()
+            conn.execute("BEGIN")
+            conn.execute(query, args)  # the row is written...
+            os._exit(9)  # ...and the process dies before it commits
+        return real_sql(self, query, args)
+    DiskCache._sql = sql_then_die
     x = torch.ones(8, 8)
     with ae.adaptive_eager(hot_after=2, compile_async=False, cache_dir=sys.argv[1]):
         for _ in range(6):
