@@ -13,17 +13,57 @@ Each trace entry moves through states:
   failed     the compiler or the program raised: op by op from now on, counted, logged once.
   quarantined the crosscheck found the fused result differs from op-by-op replay.
 A program is used only for runs whose live slots it returns and whose baked-in numbers still hold.
+
+Note [in-process compiles]
+Inductor's compile changes process-wide state while it runs: it saves the global RNG states and
+restores them at the end (a program drawing numbers meanwhile on another thread has its stream
+rewound: draw 2695 came back as draw 1059), and torch.fx's tracer patches ``nn.Module.__call__``
+and friends (the program's module calls on another thread ran through the patch: NameError in
+user code). No lock the engine takes can shield the user's own Python from that. So a compile
+in this process never runs beside the program: it runs in the flushing thread, at the flush
+that wants it (the program waits, as with compile_async off), inside ``_compile_guard``, which
+also restores the CPU (and initialized CUDA) RNG states and Python's ``random`` state after it.
+Only work that touches no such state runs in the background worker: waiting on the helper
+process's answer (the compile proper runs there, Note [compile process]), storing the bytes it
+sent, and deserializing programs. A helper that fails hands the compile back to the next flush.
+Measured here (2 cores, 16 Linear+Tanh blocks, SGD): the fx-patch reproducer's in-process
+compiles stalled the program 9-13 s each, about what the same compile took in a thread, which
+slowed every step 3.4x for as long (benchmarks/compile_stall.py).
+
+Note [compile worker]
+The background worker is one daemon thread of this module, not a ThreadPoolExecutor (whose
+workers concurrent.futures joins at exit: a compile pending at exit held the process for
+seconds to minutes, then stored nothing). When the program's main thread ends
+(``threading._register_atexit``, before non-daemon threads are joined), work still queued or
+running is dropped, the helper is abandoned, and one line on stderr says how many compiles and
+that the next run compiles them (their traces are marked hot on disk at submit). The modules a
+load needs are imported when the worker starts, so a load that ends late does not try to
+register an atexit hook during shutdown.
+
+Note [persisted decisions]
+Statistics on disk carry evidence with an age. A failure records its stage, error, whether it is
+transient (an OSError such as ENOSPC, a timeout, a helper that died, memory) and how often and
+when it happened: a transient one is retried by later processes (each of the next
+``TRANSIENT_RETRIES`` processes, then once it is ``RETRY_AFTER_S`` old); a permanent one stays
+op by op. Keep-or-drop measurements are kept per process (``samples``, the last ``_SAMPLES``);
+the stored decision is the median of their fused/op-by-op ratios, so one contended process no
+longer overrides three others. A process that loads an "op-by-op" decision re-measures when its
+own op-by-op time makes the stored fused time a clear win here.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
+import errno
 import logging
+import os
+import random
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,7 +91,25 @@ NO_REPEAT_FLUSHES = 300  # flushes after which a hit rate under 5% means traces 
 NO_REPEAT_OPS = 5000  # ops after which mostly-new metadata means shapes never settle
 PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
 KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of replay time
+TRANSIENT_RETRIES = 3  # later processes that retry a transient failure at once
+RETRY_AFTER_S = 3600.0  # after that, a transient failure is retried once this old
+RECHECK_RATIO = 0.5  # a stored "op-by-op" whose fused time is under this share of our replay
 _HISTORY = 8
+_SAMPLES = 8  # per-process measurements kept in a trace's statistics
+
+# Entries live in the process-wide trie, shared by every thread's engine and manager: their
+# state changes under this lock (two threads, two contexts: one thread's pickup of a finished
+# compile set entry.future to None under the other's feet).
+STATE_LOCK = threading.RLock()
+# One compile in this process at a time (Inductor's own state is process-wide too).
+_LOCAL_COMPILE = threading.Lock()
+
+
+class _CompileHere:
+    """A worker job's answer meaning: compile this trace in this process, at the next flush."""
+
+
+COMPILE_HERE = _CompileHere()
 
 
 @contextlib.contextmanager
@@ -69,6 +127,22 @@ def outside_modes() -> Iterator[None]:
         finally:
             for mode in reversed(funcs):
                 torch._C._push_on_torch_function_stack(mode)
+
+
+@contextlib.contextmanager
+def _compile_guard() -> Iterator[None]:
+    """Around a compile in this process (Note [in-process compiles]): the program's random
+    streams are as they were before it."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    py = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(py)
 
 
 @contextlib.contextmanager
@@ -112,13 +186,169 @@ def _flags() -> str:
             f"{torch.are_deterministic_algorithms_enabled()}")
 
 
+# ---- the background worker (Note [compile worker]) ----------------------------------------------
+class _Worker:
+    """One daemon thread running jobs in order; dropped, not joined, when the program ends."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: collections.deque = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._running: tuple | None = None
+        self.closed = False
+        self._pid = os.getpid()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "") -> \
+            concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._pid != os.getpid():  # a forked child: its parent's thread is not here
+                self._thread, self._jobs, self._pid = None, collections.deque(), os.getpid()
+            if self.closed:
+                fut.cancel()
+                return fut
+            self._jobs.append((fut, fn, args, label))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="adaptive_eager-compile")
+                self._thread.start()
+                _register_exit_hook()
+            self._cond.notify()
+        return fut
+
+    def _loop(self) -> None:
+        _preload()
+        while True:
+            with self._cond:
+                while not self._jobs and not self.closed:
+                    self._cond.wait()
+                if self.closed:
+                    return
+                job = self._running = self._jobs.popleft()
+            fut, fn, args, _ = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as err:  # noqa: B036 - handed to whoever reads the future
+                    if not self.closed:
+                        fut.set_exception(err)
+                else:
+                    if not self.closed:
+                        fut.set_result(result)
+            with self._cond:
+                self._running = None
+                self._cond.notify_all()
+
+    def pending(self) -> list[str]:
+        """Labels of the compiles queued or running (loads and warm-ups have no label)."""
+        with self._cond:
+            jobs = list(self._jobs) + ([self._running] if self._running is not None else [])
+        return [j[3] for j in jobs if j[3]]
+
+    def close(self) -> list[str]:
+        """Stop taking work; what was pending is dropped (returned by label)."""
+        with self._cond:
+            dropped = self.pending()
+            self.closed = True
+            for fut, *_ in self._jobs:
+                fut.cancel()
+            self._jobs.clear()
+            self._cond.notify_all()
+        return dropped
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the jobs submitted so far have run."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._jobs or self._running is not None) and not self.closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("compiles still running")
+                self._cond.wait(left)
+
+
+WORKER = _Worker()
+_exit_hook_registered = False
+
+
+def _preload() -> None:
+    """Import, in the worker and long before exit, what loading a program imports: one of those
+    modules registers an exit hook, which fails once shutdown began."""
+    try:
+        import concurrent.futures.process  # noqa: F401
+        import concurrent.futures.thread  # noqa: F401
+    except Exception:  # never fatal: a late load then fails and is dropped
+        pass
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+    try:
+        threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
+    except RuntimeError:  # already shutting down
+        pass
+
+
+def _at_exit() -> None:
+    """The program's main thread ended: drop pending compiles, say so once, do not wait."""
+    dropped = WORKER.close()
+    if not dropped:
+        return
+    abandon = getattr(HELPER, "abandon", None)
+    if abandon is not None:
+        try:
+            abandon()
+        except Exception:
+            pass
+    n = len(dropped)
+    try:
+        sys.stderr.write(f"adaptive_eager: {n} compile{'s' if n != 1 else ''} still pending at "
+                         f"exit dropped ({', '.join(dropped[:3])}{', ...' if n > 3 else ''}); "
+                         "the next run compiles them\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def _transient(err: BaseException) -> bool:
+    """A failure a later process may not see (Note [persisted decisions])."""
+    if isinstance(err, (OSError, TimeoutError, MemoryError, HelperFailed)):
+        return True
+    text = str(err)
+    return any(mark in text for mark in (
+        "OSError", "No space left", "Errno", "TimeoutError", "MemoryError", "Killed",
+        "BrokenPipe", "Cannot allocate memory"))
+
+
+def _combine(samples: list[dict]) -> tuple[bool, float]:
+    """Keep fused?, from the median fused/op-by-op ratio over processes' measurements."""
+    ratios = [s["fused_ms"] / s["replay_ms"] for s in samples
+              if s.get("fused_ms") and s.get("replay_ms")]
+    if not ratios:
+        return False, float("inf")
+    r = _median(ratios)
+    return r <= KEEP_RATIO, r
+
+
 class CompileManager:
-    """One per process and option set: the backend, the disk cache, the compile worker."""
+    """One per process and option set: the backend, the disk cache, and the decisions."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.backend: Backend = get_backend(options.backend)
         self.disk: DiskCache | None = None
+        self._logged: set[str] = set()
+        self.decided: list[TraceEntry] = []
+        self.flushes = 0
+        self.hits = 0
+        self.probe_start: int | None = None
+        self.kept_at_probe = 0
+        self.in_flight: list[concurrent.futures.Future] = []
+        self._stored_fused: dict[str, float] = {}  # digest -> fused s of a stored op-by-op
+        self._remeasure: set[str] = set()  # digests whose stored op-by-op is being re-measured
         if options.disk_cache and self.backend.compiles:
             self.disk = DiskCache.open(resolve_cache_dir(options),
                                        options.cache_size_mb * 1024 * 1024)
@@ -129,169 +359,242 @@ class CompileManager:
             if self.disk is not None and warm_up is not None and options.compile_async:
                 # A warm cache means programs will load soon: import the compiler now, in the
                 # worker, so the first load does not start from a cold interpreter.
-                self._worker().submit(warm_up)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self._logged: set[str] = set()
-        self.decided: list[TraceEntry] = []
-        self.flushes = 0
-        self.hits = 0
-        self.probe_start: int | None = None
-        self.kept_at_probe = 0
-        self.in_flight: list[concurrent.futures.Future] = []
+                WORKER.submit(self._quietly, warm_up)
+
+    @staticmethod
+    def _quietly(fn: Callable[[], Any]) -> None:
+        with outside_modes():
+            fn()
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
         """Note which Python numbers changed since the entry's first run."""
-        if entry.scalar_ref is None:
-            entry.scalar_ref = list(trace.scalars)
-            return
-        ref = entry.scalar_ref
-        for i, v in enumerate(trace.scalars):
-            if i < len(ref) and (type(v) is not type(ref[i]) or v != ref[i]):
-                entry.varying.add(i)
+        with STATE_LOCK:
+            if entry.scalar_ref is None:
+                entry.scalar_ref = list(trace.scalars)
+                return
+            ref = entry.scalar_ref
+            for i, v in enumerate(trace.scalars):
+                if i < len(ref) and (type(v) is not type(ref[i]) or v != ref[i]):
+                    entry.varying.add(i)
 
     def record_replay(self, entry: TraceEntry, seconds: float) -> None:
-        if M.compiles_pending and entry.replay_s:
-            return  # a compile running alongside inflates this run: keep the clean samples
-        entry.replay_s.append(seconds)
-        if len(entry.replay_s) > _HISTORY:
-            del entry.replay_s[0]
+        with STATE_LOCK:
+            if M.compiles_pending and entry.replay_s:
+                return  # a compile running alongside inflates this run: keep the clean samples
+            entry.replay_s.append(seconds)
+            if len(entry.replay_s) > _HISTORY:
+                del entry.replay_s[0]
+            if entry.state == "replay" and entry.digest in self._stored_fused:
+                self._maybe_recheck(entry)
+
+    def _maybe_recheck(self, entry: TraceEntry) -> None:
+        """A stored "op-by-op" decision this process's timing disagrees with: measure again."""
+        if len(entry.replay_s) <= MEASURE_RUNS:  # the stored time, then this process's own
+            return
+        fused = self._stored_fused.pop(entry.digest)
+        replay = _median(entry.replay_s[1:])
+        if fused < RECHECK_RATIO * replay:
+            log.info("adaptive_eager: trace %s: stored op-by-op decision, but op-by-op takes "
+                     "%.3f ms here against a fused %.3f ms: measuring again", entry.digest[:12],
+                     replay * 1e3, fused * 1e3)
+            self._remeasure.add(entry.digest)
+            entry.state = "new"
+            entry.disk_checked = False
+            entry.fused_s = []
+            entry.fused_runs = 0
+            if entry in self.decided:
+                self.decided.remove(entry)
 
     # ---- the question asked at every flush ----------------------------------------------------
     def program_for(self, entry: TraceEntry, trace: Trace, live: list[int]) -> Any:
         """The program to run this flush with, or None for op-by-op replay."""
         if not self.backend.compiles:
             return None
-        state = entry.state
-        if state == "compiling":
-            if not entry.future.done():
-                return None
-            self._compiled(entry)
+        local = None
+        with STATE_LOCK:
             state = entry.state
-        if state in ("measuring", "fused"):
-            g = entry.graph
-            if set(live) <= entry.program_live and g.scalars_hold(trace.scalars):
-                return entry.program
-            return None
-        if state == "new":
-            self._maybe_start(entry, trace, live)
-            if entry.state in ("measuring", "fused"):
-                return self.program_for(entry, trace, live)
+            if state == "compiling":
+                fut = entry.future
+                if fut is None or not fut.done():
+                    return None  # running, or being compiled by another thread right now
+                local = self._compiled(entry)
+                state = entry.state
+            if state in ("measuring", "fused"):
+                g = entry.graph
+                if set(live) <= entry.program_live and g.scalars_hold(trace.scalars):
+                    return entry.program
+                return None
+            if state == "new" and local is None:
+                local = self._maybe_start(entry, trace, live)
+                fut = entry.future
+                if (local is None and entry.state == "compiling" and fut is not None
+                        and fut.done()):  # loaded at once (compile_async off)
+                    local = self._compiled(entry)
+                if entry.state in ("measuring", "fused"):
+                    return self.program_for(entry, trace, live)
+        if local is not None:  # outside the lock: other threads' flushes go on meanwhile
+            self._compile_here(entry, *local)
+            with STATE_LOCK:
+                if entry.state in ("measuring", "fused") and set(live) <= entry.program_live \
+                        and entry.graph.scalars_hold(trace.scalars):
+                    return entry.program
         return None
 
-    def _maybe_start(self, entry: TraceEntry, trace: Trace, live: list[int]) -> None:
-        if entry.n_ops < MIN_OPS:
-            return
+    def _maybe_start(self, entry: TraceEntry, trace: Trace, live: list[int]) -> tuple | None:
+        if entry.n_ops < MIN_OPS or WORKER.closed:
+            return None
         if not entry.disk_checked:
             entry.disk_checked = True
             if self._from_disk(entry, trace, live):
-                return
+                return None
         hot = entry.runs >= self.options.hot_after or entry.was_hot
         if hot and entry.state == "new":
-            self._submit(entry, trace, live)
+            return self._submit(entry, trace, live)
+        return None
 
     # ---- compiling ----------------------------------------------------------------------------
-    def _submit(self, entry: TraceEntry, trace: Trace, live: list[int]) -> None:
+    def _submit(self, entry: TraceEntry, trace: Trace, live: list[int]) -> tuple | None:
+        """Start compiling: in the helper (via the worker), or return what the flushing thread
+        compiles here (Note [in-process compiles])."""
         try:
             g = graph_mod.build(trace, live, entry.varying)
         except Exception as err:  # Unfusable, or a trace shape we do not handle
             self._fail(entry, "graph", err)
-            return
+            return None
         entry.graph = g
         entry.program_live = frozenset(live)
         entry.loaded_state = "measuring"
-        self._start(entry, self._compile, g, entry)
-
-    def _start(self, entry: TraceEntry, work: Any, *args: Any) -> None:
-        """Run a compile or a load in the worker thread (or now, with compile_async off)."""
+        if self.disk is not None and not entry.was_hot:
+            self.save_stats(entry, hot=True)  # dropped at exit: the next run compiles it at once
+        if self._use_helper(entry) and self.options.compile_async:
+            self._start(entry, self._compile_remote, g, entry,
+                        label=f"trace {entry.digest[:12]} ({g.n_ops} ops)")
+            return None
         entry.state = "compiling"
-        with self._lock:
+        entry.future = None  # nobody else picks it up while this thread compiles
+        return (g,)
+
+    def _use_helper(self, entry: TraceEntry) -> bool:
+        return (self.options.compile_process and getattr(self.backend, "separate_process", False)
+                and not entry.in_process and HELPER.broken is None)
+
+    def _start(self, entry: TraceEntry, work: Any, *args: Any, label: str = "") -> None:
+        """Run a helper compile or a load in the worker thread (now, with compile_async off)."""
+        entry.state = "compiling"
+        with STATE_LOCK:
             M.compiles_pending += 1
-        if self.options.compile_async:
-            entry.future = self._worker().submit(work, *args)
-            entry.future.add_done_callback(self._finished)
-            self.in_flight.append(entry.future)
-        else:
+        if not self.options.compile_async:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
                 fut.set_result(work(*args))
-            except BaseException as err:
+            except Exception as err:
                 fut.set_exception(err)
             entry.future = fut
             self._finished(fut)
-            self._compiled(entry)
+            return
+        entry.future = WORKER.submit(work, *args, label=label)
+        entry.future.add_done_callback(self._finished)
+        self.in_flight.append(entry.future)
 
-    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="adaptive_eager-compile")
-        return self._pool
+    def _compile_here(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> None:
+        """Compile in this process, in the flushing thread (Note [in-process compiles])."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with STATE_LOCK:
+            M.compiles_pending += 1
+        try:
+            with _LOCAL_COMPILE:
+                if self._use_helper(entry):  # compile_async off: wait on the helper instead
+                    fut.set_result(self._compile_remote(g, entry))
+                else:
+                    fut.set_result(self._compile(g, entry))
+        except Exception as err:
+            fut.set_exception(err)
+        finally:
+            self._finished(fut)
+        with STATE_LOCK:
+            entry.future = fut
+            again = self._compiled(entry)
+        if again is not None:  # the helper failed on the way: compile here after all
+            self._compile_here(entry, *again)
 
     def _compile(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> tuple[Any, float]:
-        """Compile, then store the program on disk (in the worker: a process that ends before
-        using it still leaves it for the next run)."""
+        """Compile in this process and store the program on disk."""
         start = time.perf_counter()
         label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
-        with outside_modes(), span("adaptive_eager.compile"), progress(label):
-            program, data = self._compile_program(g, entry)
+        with outside_modes(), _compile_guard(), span("adaptive_eager.compile"), progress(label):
+            program = self.backend.compile(g)
+        seconds = time.perf_counter() - start
+        entry.from_bytes = False
+        M.compiles += 1
+        M.compile_seconds += seconds
+        self._store(entry, g, program, seconds)
+        return program, seconds
+
+    def _compile_remote(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
+        """In the worker: the helper compiles; the bytes go to disk first (a process that ends
+        before using them still leaves them for the next run), then load here."""
+        start = time.perf_counter()
+        try:
+            data, _ = HELPER.compile(self.backend, g)
+        except HelperFailed:
+            return COMPILE_HERE  # counted and logged once by the helper's client
         seconds = time.perf_counter() - start
         M.compiles += 1  # counted here: a process may end before a flush picks the program up
         M.compile_seconds += seconds
-        self._store(entry, g, program, seconds, data)
+        self._store(entry, g, None, seconds, data)
+        with outside_modes():
+            program = self.backend.load(data, g)
+        entry.from_bytes = True
         return program, seconds
-
-    def _compile_program(self, g: graph_mod.TraceGraph, entry: TraceEntry
-                         ) -> tuple[Any, bytes | None]:
-        """The program, in the helper process where possible (Note [compile process])."""
-        if (self.options.compile_process and getattr(self.backend, "separate_process", False)
-                and not entry.in_process):
-            try:
-                data, _ = HELPER.compile(self.backend, g)
-            except HelperFailed:
-                pass  # counted and logged once by the helper's client; compile here instead
-            else:
-                entry.from_bytes = True
-                return self.backend.load(data, g), data
-        entry.from_bytes = False
-        return self.backend.compile(g), None
 
     def _finished(self, future: concurrent.futures.Future) -> None:
         """When a compile or load ends (in the worker), even if no flush picks it up (the engine
         may be aside meanwhile)."""
-        with self._lock:
+        with STATE_LOCK:
             M.compiles_pending = max(M.compiles_pending - 1, 0)
 
-    def _compiled(self, entry: TraceEntry) -> None:
+    def _compiled(self, entry: TraceEntry) -> tuple | None:
+        """Pick up a finished compile or load (under STATE_LOCK); returns what to compile here
+        when the worker handed the compile back."""
+        fut, entry.future = entry.future, None
         try:
-            program, seconds = entry.future.result()
+            result = fut.result()
+        except concurrent.futures.CancelledError:
+            entry.state = "new"
+            return None
         except Exception as err:
             M.compile_errors += 1
             self._fail(entry, "compile", err)
-            return
-        finally:
+            return None
+        if result is COMPILE_HERE:
             entry.future = None
+            return (entry.graph,)
+        program, seconds = result
         entry.compile_s = seconds
         entry.program = program
         entry.state = entry.loaded_state
         log.info("adaptive_eager: program for trace %s (%d ops) ready after %.2fs",
                  entry.digest[:12], entry.n_ops, seconds)
+        return None
 
     # ---- measuring and deciding ---------------------------------------------------------------
     def record_fused(self, entry: TraceEntry, seconds: float) -> None:
-        entry.fused_runs += 1
-        if entry.fused_runs == 1 and entry.state == "measuring":
-            return  # warm-up call: first-touch costs are not the program's steady state
-        entry.fused_s.append(seconds)
-        if len(entry.fused_s) > _HISTORY:
-            del entry.fused_s[0]
-        if entry.state == "measuring" and len(entry.fused_s) >= MEASURE_RUNS:
-            self._decide(entry)
+        with STATE_LOCK:
+            entry.fused_runs += 1
+            if entry.fused_runs == 1 and entry.state == "measuring":
+                return  # warm-up call: first-touch costs are not the program's steady state
+            entry.fused_s.append(seconds)
+            if len(entry.fused_s) > _HISTORY:
+                del entry.fused_s[0]
+            if entry.state == "measuring" and len(entry.fused_s) >= MEASURE_RUNS:
+                self._decide(entry)
 
     def _decide(self, entry: TraceEntry) -> None:
         fused = _median(entry.fused_s)
         replay = _median(entry.replay_s) if entry.replay_s else float("inf")
         self.decided.append(entry)
+        self._remeasure.discard(entry.digest)
         if fused <= KEEP_RATIO * replay:
             entry.state = "fused"
             entry.decision = f"fused: {fused * 1e3:.3f} ms vs op-by-op {replay * 1e3:.3f} ms"
@@ -303,7 +606,7 @@ class CompileManager:
             entry.program = None
             M.kept_replay += 1
         log.info("adaptive_eager: trace %s: %s", entry.digest[:12], entry.decision)
-        self.save_stats(entry)
+        self.save_stats(entry, sample=True)
 
     # ---- stepping aside (Note [stepping aside] in aside.py) -----------------------------------
     def note_flush(self, hit: bool) -> None:
@@ -330,20 +633,23 @@ class CompileManager:
         if len(self.decided) < MIN_DECISIONS or self._undecided_hot():
             return None
         engine = eager = 0.0  # one run of every decided trace, each way
-        for e in self.decided:
+        with STATE_LOCK:
+            decided = list(self.decided)
+        for e in decided:
             replay = _median(e.replay_s) if e.replay_s else 0.0
             run = _median(e.fused_s) if e.state == "fused" and e.fused_s else replay
             engine += run + e.n_ops * RECORD_S
             eager += max(replay - e.n_ops * REPLAY_EXTRA_S, 0.0)
         if engine >= eager:
-            return (f"{len(self.decided)} traces measured: under the engine a round takes "
+            return (f"{len(decided)} traces measured: under the engine a round takes "
                     f"{engine * 1e3:.3f} ms, plain eager about {eager * 1e3:.3f} ms")
         return None
 
     def compiling(self) -> bool:
         """Whether a compile or a load is still running in the background."""
-        self.in_flight = [f for f in self.in_flight if not f.done()]
-        return bool(self.in_flight)
+        with STATE_LOCK:
+            self.in_flight = [f for f in self.in_flight if not f.done()]
+            return bool(self.in_flight)
 
     def settled(self) -> bool:
         """Every hot trace compiled and decided: the engine runs as fast as it will (the moment
@@ -363,11 +669,15 @@ class CompileManager:
         self.kept_at_probe = sum(e.state == "fused" for e in self.decided)
 
     def fused_failed(self, entry: TraceEntry, err: BaseException) -> None:
+        with STATE_LOCK:
+            self._fused_failed(entry, err)
+
+    def _fused_failed(self, entry: TraceEntry, err: BaseException) -> None:
         M.fused_errors += 1
         if entry.from_bytes and not entry.in_process:
             # A program that went through serialization can fail where the compiler's in-memory
-            # one runs (an AOTAutograd runtime wrapper rebuilt from bytes, seen on a Llama
-            # trace whose outputs alias each other). Compile this trace here, keep it off disk.
+            # one runs (Note [graph pickling] in graph.py fixed the case seen most). Compile this
+            # trace here, keep it off disk.
             entry.in_process = True
             entry.program = None
             entry.fused_s.clear()
@@ -382,10 +692,11 @@ class CompileManager:
         self._fail(entry, "run", err)
 
     def quarantine(self, entry: TraceEntry, why: str) -> None:
-        M.quarantined += 1
-        entry.state = "quarantined"
-        entry.program = None
-        entry.decision = f"quarantined: {why}"
+        with STATE_LOCK:
+            M.quarantined += 1
+            entry.state = "quarantined"
+            entry.program = None
+            entry.decision = f"quarantined: {why}"
         log.warning("adaptive_eager: trace %s quarantined: %s; it runs op by op from now on",
                     entry.digest[:12], why)
         if self.disk is not None:
@@ -395,14 +706,17 @@ class CompileManager:
         entry.state = "failed"
         entry.program = None
         entry.error = f"{stage}: {type(err).__name__}: {err}"[:500]
-        entry.decision = f"op-by-op: {stage} failed"
+        transient = _transient(err)
+        entry.decision = f"op-by-op: {stage} failed" + (" (transient)" if transient else "")
         kind = f"{stage}:{type(err).__name__}"
         if kind not in self._logged:
             self._logged.add(kind)
-            log.warning("adaptive_eager: %s of trace %s failed (%s: %s); it runs op by op",
+            log.warning("adaptive_eager: %s of trace %s failed (%s: %s); it runs op by op%s",
                         stage, entry.digest[:12], type(err).__name__, str(err)[:300],
+                        " in this process (a later one retries it)" if transient else "",
                         exc_info=log.isEnabledFor(logging.DEBUG))
-        self.save_stats(entry)
+        self.save_stats(entry, failure={"stage": stage, "error": entry.error,
+                                        "transient": transient})
 
     # ---- disk ---------------------------------------------------------------------------------
     def _program_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
@@ -425,14 +739,20 @@ class CompileManager:
             return
         self.disk.put_program(self._program_key(entry, g), torch.__version__, self.backend.name,
                               data, {"n_ops": g.n_ops, "compile_s": seconds})
-        self.save_stats(entry, hot=True)
+        self.save_stats(entry, hot=True, compiled=True)
+
+    def _retry_failure(self, failure: dict) -> bool:
+        """Whether a failure stored by an earlier process is worth trying again here."""
+        if not failure.get("transient"):
+            return False
+        return (int(failure.get("count", 1)) <= TRANSIENT_RETRIES
+                or time.time() - float(failure.get("at", 0.0)) >= RETRY_AFTER_S)
 
     def _from_disk(self, entry: TraceEntry, trace: Trace, live: list[int]) -> bool:
         """Start loading a program (or take a past decision) for this trace from the disk cache.
 
-        Loading runs where compiling would (in the worker thread when compile_async is on): the
-        first load in a process imports Inductor, which takes seconds, and the program must not
-        wait for it."""
+        Loading runs in the worker thread (the first load in a process imports Inductor, which
+        takes seconds, and the program must not wait for it); deserializing patches nothing."""
         if self.disk is None:
             return False
         if self.disk.is_quarantined(entry.digest):
@@ -443,16 +763,25 @@ class CompileManager:
         if stats is None:
             M.disk_misses += 1
             return False
-        if stats.get("decision", "").startswith("op-by-op") and stats.get("torch") == \
-                torch.__version__:
+        remeasure = entry.digest in self._remeasure
+        failure = stats.get("failure")
+        retry = bool(failure) and self._retry_failure(failure)
+        if retry:
+            log.info("adaptive_eager: trace %s failed transiently before (%s, %d time(s)); "
+                     "trying again", entry.digest[:12], failure.get("error", "")[:120],
+                     int(failure.get("count", 1)))
+        if (stats.get("decision", "").startswith("op-by-op") and not retry and not remeasure
+                and stats.get("torch") == torch.__version__):
             entry.state = "replay"
             entry.decision = stats["decision"] + " (earlier run)"
             if stats.get("replay_ms") and stats.get("fused_ms"):  # counts for stepping aside
                 entry.replay_s = [stats["replay_ms"] / 1e3]
                 entry.fused_s = [stats["fused_ms"] / 1e3]
                 self.decided.append(entry)
+                # this process re-measures if its own op-by-op time disagrees
+                self._stored_fused[entry.digest] = stats["fused_ms"] / 1e3
             return True
-        entry.was_hot = bool(stats.get("hot"))
+        entry.was_hot = bool(stats.get("hot")) or retry
         entry.varying |= set(stats.get("varying", ()))
         if stats.get("in_process"):  # its deserialized program failed before: compile here
             entry.in_process = True
@@ -477,8 +806,7 @@ class CompileManager:
         self._start(entry, self._load, value["artifact"], g, entry)
         return True
 
-    def _load(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry
-              ) -> tuple[Any, float]:
+    def _load(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
         try:
             with outside_modes(), span("adaptive_eager.load"):
                 program = self.backend.load(data, g)
@@ -486,26 +814,60 @@ class CompileManager:
             M.disk_errors += 1
             log.warning("adaptive_eager: cached program for %s failed to load (%s); "
                         "compiling it instead", entry.digest[:12], err)
-            return self._compile(g, entry)
+            if self._use_helper(entry):
+                return self._compile_remote(g, entry)
+            return COMPILE_HERE
         M.disk_hits += 1
         entry.from_bytes = True
         return program, 0.0
 
-    def save_stats(self, entry: TraceEntry, hot: bool = False) -> None:
+    def save_stats(self, entry: TraceEntry, hot: bool = False, failure: dict | None = None,
+                   sample: bool = False, compiled: bool = False) -> None:
+        """Merge this process's view of the trace into its statistics on disk (Note [persisted
+        decisions]): samples accumulate, a failure counts up, a success clears it."""
         if self.disk is None:
             return
+        try:
+            old = self.disk.get_stats(entry.digest) or {}
+        except Exception:
+            old = {}
+        summary = entry.summary()
+        samples = [s for s in old.get("samples", ()) if isinstance(s, dict)]
+        decision = entry.decision
+        if sample and summary["fused_ms"] and summary["replay_ms"]:
+            samples = (samples + [{"fused_ms": summary["fused_ms"],
+                                   "replay_ms": summary["replay_ms"],
+                                   "at": round(time.time(), 1)}])[-_SAMPLES:]
+            keep, ratio = _combine(samples)
+            decision = (f"{'fused' if keep else 'op-by-op'}: median fused/op-by-op "
+                        f"{ratio:.2f} over {len(samples)} measurement(s); here {entry.decision}")
+        elif not decision and old.get("decision"):
+            decision = old["decision"]  # a hot mark or a store keeps what was decided
+        stored_failure = old.get("failure")
+        if failure is not None:
+            same = stored_failure and stored_failure.get("stage") == failure["stage"]
+            failure = dict(failure, at=round(time.time(), 1),
+                           count=(int(stored_failure.get("count", 1)) + 1) if same else 1)
+        elif compiled or sample:
+            failure = None  # compiled fine here: an earlier transient failure is over
+        else:
+            failure = stored_failure
+        if compiled and decision.startswith("op-by-op") and old.get("failure"):
+            decision = ""  # the failure this decision recorded is over
         self.disk.put_stats(entry.digest, {
             "torch": torch.__version__, "hot": hot or entry.runs >= self.options.hot_after
-            or entry.was_hot, "decision": entry.decision, "varying": sorted(entry.varying),
-            "replay_ms": entry.summary()["replay_ms"], "fused_ms": entry.summary()["fused_ms"],
-            "compile_s": entry.compile_s, "n_ops": entry.n_ops, "runs": entry.runs,
-            "error": entry.error, "in_process": entry.in_process,
+            or entry.was_hot or bool(old.get("hot")), "decision": decision,
+            "varying": sorted(entry.varying | set(old.get("varying", ()))),
+            "replay_ms": summary["replay_ms"] or old.get("replay_ms"),
+            "fused_ms": summary["fused_ms"] or old.get("fused_ms"),
+            "compile_s": entry.compile_s or old.get("compile_s", 0.0), "n_ops": entry.n_ops,
+            "runs": entry.runs, "error": entry.error, "in_process": entry.in_process,
+            "failure": failure, "samples": samples,
         })
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until submitted compiles finish (tests and benchmarks use this)."""
-        if self._pool is not None:
-            self._pool.submit(lambda: None).result(timeout)
+        WORKER.wait(timeout)
 
 
 _managers: dict[Options, CompileManager] = {}

@@ -56,10 +56,82 @@ class TraceGraph:
             return None
         return [*tensors, *(_scalar_input(scalars[i]) for i in self.lifted)]
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["gm"] = _graph_nodes(self.gm.graph)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["gm"] = fx.GraphModule(torch.nn.Module(), _graph_from_nodes(state["gm"]))
+        self.__dict__.update(state)
+
     def scalars_hold(self, scalars: list[Any]) -> bool:
         """Whether this run's baked-in numbers equal the ones compiled in."""
         return all(type(scalars[i]) is type(v) and scalars[i] == v
                    for i, v in zip(self.baked, self.baked_values))
+
+
+class _Ref:
+    """A node argument in pickled form: the index of the node it names."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __reduce__(self) -> tuple:
+        return (_Ref, (self.i,))
+
+
+def _target_out(t: Any) -> Any:
+    if isinstance(t, torch._ops.OpOverload):  # not picklable: by qualified name
+        return ("op", t._schema.name, t._overloadname)
+    return ("py", t)
+
+
+def _target_in(t: tuple) -> Any:
+    if t[0] == "py":
+        return t[1]
+    ns, name = t[1].split("::", 1)
+    return getattr(getattr(getattr(torch.ops, ns), name), t[2])
+
+
+def _graph_nodes(g: fx.Graph) -> list[tuple]:
+    index: dict[fx.Node, int] = {}
+    out = []
+    for n in g.nodes:
+        index[n] = len(out)
+        conv = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(index[a]))  # type: ignore
+        out.append((n.op, n.name, _target_out(n.target), conv[0], conv[1]))
+    return out
+
+
+def _graph_from_nodes(nodes: list[tuple]) -> fx.Graph:
+    g = fx.Graph()
+    made: list[fx.Node] = []
+
+    def resolve(a: Any) -> Any:
+        if type(a) is _Ref:
+            return made[a.i]
+        if isinstance(a, tuple):
+            return tuple(resolve(x) for x in a)
+        if isinstance(a, list):  # fx's immutable_list too
+            return [resolve(x) for x in a]
+        if isinstance(a, dict):
+            return {k: resolve(v) for k, v in a.items()}
+        return a
+
+    for op, name, target, args, kwargs in nodes:
+        tgt = _target_in(target)
+        if op == "placeholder":
+            node = g.placeholder(name)
+        elif op == "output":
+            node = g.output(resolve(args[0]))
+        else:
+            node = g.create_node(op, tgt, resolve(args), resolve(kwargs), name=name)
+        made.append(node)
+    return g
 
 
 def _scalar_input(v: Any) -> torch.Tensor:
