@@ -337,3 +337,18 @@ def test_inductor_compiled_module_training_matches_compile_outside() -> None:
         results.append(_train(torch.compile(net), [*net.parameters(), *pre.parameters()],
                               x, y, engine, pre))
     assert_equal_tree(results[0], results[1])  # same compiled code: bitwise
+
+
+def test_compiled_function_made_before_the_hooks_still_leaves_the_engine() -> None:
+    from torch._dynamo import eval_frame
+
+    ctx = torch._dynamo.optimize("aot_eager")  # a fresh context, as torch.compile makes
+    unwrapped = eval_frame._TorchDynamoContext.__call__.__wrapped__(ctx, _f)
+    assert not getattr(unwrapped, "_ae_region", False)  # as if compiled before the import
+    x = torch.randn(8, 16)
+    expected = unwrapped(x)
+    with ae.adaptive_eager(backend="replay", step_aside=False, check=True):
+        got = [to_plain(unwrapped(x + 0.0)) for _ in range(3)]
+    for g in got:
+        assert torch.equal(g, expected)
+    assert fallbacks()["torch.compile region (unwrapped)"] == 3

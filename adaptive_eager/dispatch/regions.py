@@ -254,6 +254,39 @@ def install() -> None:
         _install_dynamo()
 
 
+def _nothing() -> None:
+    return None
+
+
+def _late_region_enter() -> Callable[[], None]:
+    """Enter hook of every Dynamo context (see _install_dynamo)."""
+    if not _len_dispatch():
+        return _nothing
+    engine = active_engine()
+    if engine is None:  # not under an engine, or a wrapped call that already left it
+        return _nothing
+    engine.flush("compiled_region")
+    M.fallbacks += 1
+    M.fallback_ops["torch.compile region (unwrapped)"] += 1
+    off = engine_modes_off()
+    off.__enter__()
+    return lambda: off.__exit__(None, None, None)
+
+
+def _get_hooks(self: Any) -> list:
+    d = self.__dict__
+    hooks = d.get("_ae_enter_exit_hooks")
+    if hooks is None:  # a context made before the hooks: its list is in its own __dict__
+        hooks = d["_ae_enter_exit_hooks"] = list(d.get("enter_exit_hooks", ()))
+    if not hooks or hooks[0] is not _late_region_enter:
+        hooks.insert(0, _late_region_enter)
+    return hooks
+
+
+def _set_hooks(self: Any, value: list) -> None:
+    self.__dict__["_ae_enter_exit_hooks"] = list(value)
+
+
 def _install_dynamo() -> None:
     if _installed["dynamo"]:
         return
@@ -271,6 +304,13 @@ def _install_dynamo() -> None:
         return out
 
     eval_frame._TorchDynamoContext.__call__ = __call__  # type: ignore[method-assign]
+    # Compiled functions made before these hooks (torch.compile called before this package was
+    # imported) are not wrapped; every compiled call still runs its context's enter hooks, so
+    # one more hook there flushes and takes the engine's modes off for the call. It cannot see
+    # the arguments (lazy ones reach Dynamo as they are, with their values) nor the outputs (their
+    # backward nodes are not marked): a safety net, not the main path.
+    eval_frame._TorchDynamoContext.enter_exit_hooks = property(  # type: ignore[attr-defined]
+        _get_hooks, _set_hooks)
 
     mod_call = eval_frame.OptimizedModule.__call__
 
