@@ -125,7 +125,7 @@ class DiskCache:
     def __init__(self, directory: Path, size_limit: int) -> None:
         self.directory = trust.check_root(directory, create=True)
         self.size_limit = int(size_limit)
-        self.read_only = not os.access(self.directory, os.W_OK)
+        self.read_only = not _writable(self.directory)
         self._lock = threading.RLock()
         self._pid = os.getpid()
         self._secret = self._load_secret()
@@ -231,7 +231,7 @@ class DiskCache:
         self._check_db_files()
         path = self._db_path()
         try:
-            if self.read_only or (path.exists() and not os.access(path, os.W_OK)):
+            if self.read_only or (path.exists() and not _writable(path)):
                 self.read_only = True
                 uri = f"file:{quote(str(path))}?mode=ro"
                 conn = sqlite3.connect(uri, uri=True, timeout=5, isolation_level=None,
@@ -583,6 +583,13 @@ class DiskCache:
                 except Exception:
                     pass
                 self._conn = None
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may write ``path`` (effective ids: what opening it would see)."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, os.W_OK, effective_ids=True)
+    return os.access(path, os.W_OK)
 
 
 def _listdir(folder: Path) -> list[str]:

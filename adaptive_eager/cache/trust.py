@@ -18,6 +18,7 @@ enough: there is no window in which another user could plant something in betwee
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -127,6 +128,15 @@ def private_subdir(root: Path, name: str, create: bool = True) -> Path:
 def open_private(root: Path, rel: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     """Open ``root/rel`` (engine-made components) without following links, checking every
     folder on the way and the file itself; returns a file descriptor."""
+    try:
+        return _open_private(root, rel, flags, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise Untrusted(f"{root}/{rel} is a symlink; the cache never follows links") from None
+        raise
+
+
+def _open_private(root: Path, rel: str, flags: int, mode: int) -> int:
     parts = rel.split("/")
     for part in parts:
         check_name(part)
