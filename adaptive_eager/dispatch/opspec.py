@@ -150,7 +150,8 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
 # Namespaces whose ops act outside the tensors they are given (communication, runtime state).
 _EFFECT_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor",
                       "_quantized", "profiler", "prims", "debugprims", "inductor", "higher_order",
-                      "_inductor_test", "fsdp", "streams")
+                      "_inductor_test", "fsdp", "streams", "debug_mode_ops", "rngprims",
+                      "symm_mem", "_c10d", "triton", "torchbind")
 
 
 def _custom_op_fallback(op: torch._ops.OpOverload, ns: str) -> str | None:
