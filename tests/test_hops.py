@@ -94,6 +94,23 @@ def test_cond_while_loop_scan_and_nested_region() -> None:
     assert_equal_tree(expected, got)
 
 
+def test_cond_with_gradients_and_a_compiled_function() -> None:
+    @torch.compile(backend="aot_eager")  # the decorator form goes through the hooks too
+    def g(t: torch.Tensor) -> torch.Tensor:
+        return t.sin() + 1
+
+    def fn() -> list:
+        w = torch.randn(4, 4, requires_grad=True)
+        h = (torch.randn(4, 4) @ w).tanh()  # lazy, with autograd history
+        r = torch.cond(h.sum() > 0, lambda t: t.sin() * 2, lambda t: t.cos(), (h,))
+        (r.sum() + g(h).sum()).backward()
+        return [to_plain(r), to_plain(w.grad)]
+
+    expected, got = eager_and_engine(fn, step_aside=False)
+    assert_equal_tree(expected, got)
+    assert fallbacks()["torch.compile region"] == 2  # cond's own torch.compile, and g
+
+
 def test_every_known_hop_has_a_rule_for_the_engine() -> None:
     from adaptive_eager.dispatch.mode import DeferMode
 

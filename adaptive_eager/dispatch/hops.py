@@ -22,6 +22,7 @@ subgraph arguments are Python callables a trace key cannot name.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ def _rule_for_lazy(hop: HigherOrderOperator) -> Any:
 
 
 _done: set[int] = set()
+_lock = threading.Lock()
 
 
 def install() -> int:
@@ -76,6 +78,11 @@ def install() -> int:
     the last call are picked up). Returns how many HOPs got rules."""
     from adaptive_eager.dispatch.mode import DeferMode
 
+    with _lock:
+        return _install(DeferMode)
+
+
+def _install(DeferMode: type) -> int:
     added = 0
     for hop in list(torch._ops._higher_order_ops.values()):
         if id(hop) in _done:

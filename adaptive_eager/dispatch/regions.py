@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -232,10 +233,16 @@ def region_call(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _installed = {"compile": False, "dynamo": False}
+_install_lock = threading.RLock()  # two threads starting engines must not patch twice
 
 
 def install() -> None:
     """Install the region hooks (idempotent, cheap): see Note [compiled regions]."""
+    with _install_lock:
+        _install()
+
+
+def _install() -> None:
     if not _installed["compile"]:
         _installed["compile"] = True
         original = torch.compile
@@ -290,7 +297,13 @@ def _set_hooks(self: Any, value: list) -> None:
 def _install_dynamo() -> None:
     if _installed["dynamo"]:
         return
-    _installed["dynamo"] = True
+    with _install_lock:
+        if not _installed["dynamo"]:
+            _patch_dynamo()
+            _installed["dynamo"] = True
+
+
+def _patch_dynamo() -> None:
     from torch._dynamo import eval_frame
 
     ctx_call = eval_frame._TorchDynamoContext.__call__
