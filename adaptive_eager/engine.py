@@ -20,8 +20,8 @@ from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
 from adaptive_eager.config import Options
 from adaptive_eager.dispatch.lazy import (
-    LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of, rebind_aliases,
-    resolve_all,
+    CONJ, NEG, LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of,
+    rebind_aliases, resolve_all,
 )
 from adaptive_eager.dispatch.opspec import OpSpec
 from adaptive_eager.explain import explain_miss, user_frame
@@ -39,8 +39,91 @@ _Parameter = torch.nn.Parameter
 _DisableDispatch = torch._C._DisableTorchDispatch
 _DisableFunction = torch._C.DisableTorchFunction
 _weakref = weakref.ref
+_get_ident = threading.get_ident
+_transforms_active = torch._C._are_functorch_transforms_active
+_DisableFuncTorch = torch._C._DisableFuncTorch
 _MISSING = object()
 _MAX_TRIE_ENTRIES = 100_000  # a program whose traces never repeat must not grow memory forever
+
+
+class _Owned(threading.local):
+    engine: Engine | None = None  # the engine this thread records into (the last one made)
+
+
+_OWNED = _Owned()
+
+
+def owned_engine() -> Engine | None:
+    """The engine whose trace this thread records into, if any."""
+    return _OWNED.engine
+
+
+# Note [threads and lazy tensors]
+# An engine belongs to the thread that made it (``owner``): only that thread records into its
+# trace, with no lock (the hot path). Two things cross threads:
+# - A lazy tensor read or used on another thread (plain eager, or under its own engine): that
+#   thread runs the owner's trace itself (``_flush_foreign``), so it never waits for the owner,
+#   which may be blocked on it (a bounded queue). It takes ``lock`` (the owner's own flushes
+#   take it too), sets ``foreign``, and waits while ``busy`` says the owner is inside
+#   ``record``. The owner sets ``busy`` before it looks at ``foreign``, the reader sets
+#   ``foreign`` before it looks at ``busy``, so one of them always sees the other (Dekker's
+#   handshake; the GIL orders the stores), and an owner that sees ``foreign`` records under
+#   ``lock`` instead, after the reader is done. The owner never blocks while ``busy`` (an input
+#   pending on a third thread makes the op run at once instead, outside ``record``), so the
+#   wait is microseconds. Cost on the hot path: two attribute stores and a load per op. The
+#   trace stays the engine's pending trace until its values are published, so the owner's
+#   eager ops that touch its pending writes wait on ``lock`` meanwhile; lazy tensors are not
+#   swapped into plain tensors by a foreign flush (the owner may hold those very objects).
+# - A deferred in-place write to a real tensor that another thread reads after a handoff:
+#   eager makes the write visible before the handoff. ``threading.Condition.notify`` (which
+#   ``Event.set``, ``queue.Queue.put``, ``Semaphore.release``, ``Barrier.wait`` and
+#   multiprocessing queues go through) and ``Thread.start`` flush the calling thread's pending
+#   trace first (an attribute load when no engine is pending on that thread). A bare
+#   ``threading.Lock``/``RLock`` release is C code and cannot be seen: a program that hands
+#   tensors written under the engine to another thread through a bare lock calls
+#   ``adaptive_eager.sync()`` before releasing it.
+
+
+_sync_installed = False
+
+
+def install_thread_sync() -> None:
+    """Make thread handoffs flush the handing thread's pending trace (idempotent)."""
+    global _sync_installed
+    if _sync_installed:
+        return
+    _sync_installed = True
+    notify = threading.Condition.notify
+    start = threading.Thread.start
+
+    def _notify(self: threading.Condition, n: int = 1) -> None:
+        _flush_before_handoff("thread_sync:notify")
+        notify(self, n)
+
+    def _start(self: threading.Thread) -> None:
+        _flush_before_handoff("thread_sync:start")
+        start(self)
+
+    _notify.__doc__, _start.__doc__ = notify.__doc__, start.__doc__
+    threading.Condition.notify = _notify  # type: ignore[method-assign]
+    threading.Thread.start = _start  # type: ignore[method-assign]
+
+
+def _flush_before_handoff(reason: str) -> None:
+    eng = _OWNED.engine
+    if eng is not None and eng.trace.ops and not eng.busy and not eng.flushing:
+        eng.flush(reason)
+
+
+# Note [grad-mode kernels]
+# A few kernels below autograd read the grad mode themselves: mkldnn_rnn_layer (nn.LSTM/GRU/RNN
+# on CPU) returns its workspace, which its backward needs, only when grad mode is on. A trace
+# records forward, backward (the autograd engine runs nodes with grad mode off) and optimizer
+# (under no_grad) ops alike, and replays them wherever the flush happens, so such an op replays
+# under the grad mode it was recorded in, and that mode is part of its key and of its metadata
+# key (its outputs differ). These ops get their own policy (mode.py); nothing else pays.
+GRAD_MODE = 7  # policy value beyond opspec's (DEFER..FALLBACK)
+GRAD_MODE_OPS = (torch.ops.aten.mkldnn_rnn_layer.default,)
 
 
 class NeedRun(Exception):
@@ -74,98 +157,123 @@ class Engine:
         self.check = options.check
         self.cap = options.max_trace_ops
         self.lock = threading.RLock()
+        # Note [threads and lazy tensors]
+        self.owner = _get_ident()  # the thread whose mode stack records into this engine
+        self.busy = False  # the owner is inside record (mutating the trace); never blocks there
+        self.foreign = False  # another thread holds ``lock`` to run this engine's trace
+        self.flushing = 0  # depth of flushes in progress on the owner thread
         self.trace = Trace(self)
+        _OWNED.engine = self
+        install_thread_sync()
         self.compiler = manager_for(options)
         self.presence: Any = None  # set by the context that activates this engine (aside.py)
         self._decisions_seen = 0
         self._errors_logged: set[str] = set()
 
     # ---- record (the hot path: one call per deferrable aten op) ----------------------------
-    def record(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+    def record(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict,
+               grad: bool | None = None) -> Any:
         """Defer one op: key it, find its output metadata, hand out lazy outputs.
 
         The trace keeps ``margs``: the arguments with each pending lazy input replaced by its
         ``Slot`` marker, so the trace never holds the user's lazy tensors (liveness is read from
         weak references at flush). Python numbers keyed by type only are collected, in order, in
-        ``trace.scalars``: they are the per-run inputs of a compiled program.
+        ``trace.scalars``: they are the per-run inputs of a compiled program. ``grad`` is the
+        grad mode of an op whose kernel reads it (Note [grad-mode kernels]).
         """
-        tr = self.trace
-        key: list[Any] = [op]
-        ap = key.append
-        margs: list[Any] = []
-        mp = margs.append
-        sp = spec.scalar_pos
-        structural = spec.structural
-        n_op = len(tr.ops)
-        i = 0
-        for a in args:
-            t = type(a)
-            if t is LazyTensor:
-                if a._ae_trace is tr and a._ae_real is None:
-                    s = a._ae_slot
-                    ap(s)
-                    mp(SLOTS[s])
-                    tr.last[s] = n_op
-                    i += 1
-                    continue
-                ap(self._external(a, tr))
-            elif t is _Tensor or t is _Parameter:
-                ap(self._external(a, tr))
-            elif t is float or t is complex:
-                if structural:
-                    ap((t, a))
-                else:
-                    ap(t)
-                    tr.scalars.append(a)
-            elif t is int or t is bool:
-                if structural:
-                    ap((t, a))
-                elif i in sp:
-                    ap(t)
-                    tr.scalars.append(a)
+        self.busy = True  # Note [threads and lazy tensors]: announce, then look
+        if self.foreign:
+            self.busy = False
+            with self.lock:  # another thread is running this trace: wait for it, then record
+                return self.record(op, spec, args, kwargs, grad)
+        try:
+            tr = self.trace
+            key: list[Any] = [op]
+            ap = key.append
+            margs: list[Any] = []
+            mp = margs.append
+            sp = spec.scalar_pos
+            structural = spec.structural
+            n_op = len(tr.ops)
+            i = 0
+            for a in args:
+                t = type(a)
+                if t is LazyTensor:
+                    if a._ae_trace is tr and a._ae_real is None:
+                        s = a._ae_slot
+                        ap(s)
+                        mp(SLOTS[s])
+                        tr.last[s] = n_op
+                        i += 1
+                        continue
+                    ap(self._external(a, tr))
+                elif t is _Tensor or t is _Parameter:
+                    ap(self._external(a, tr))
+                elif t is float or t is complex:
+                    if structural:
+                        ap((t, a))
+                    else:
+                        ap(t)
+                        tr.scalars.append(a)
+                elif t is int or t is bool:
+                    if structural:
+                        ap((t, a))
+                    elif i in sp:
+                        ap(t)
+                        tr.scalars.append(a)
+                    else:
+                        ap(a)
+                elif t is list or t is tuple:
+                    k, a = self._key_seq(a, tr, spec, n_op)
+                    ap(k)
+                elif isinstance(a, _Tensor):
+                    raise Unsupported(f"tensor subclass {t.__name__}")
                 else:
                     ap(a)
-            elif t is list or t is tuple:
-                k, a = self._key_seq(a, tr, spec, n_op)
-                ap(k)
-            elif isinstance(a, _Tensor):
-                raise Unsupported(f"tensor subclass {t.__name__}")
-            else:
-                ap(a)
-            mp(a)
-            i += 1
-        if kwargs:
-            kwargs = self._key_kwargs(kwargs, key, tr, spec, n_op)
-        key_t = tuple(key)
+                mp(a)
+                i += 1
+            if kwargs:
+                kwargs = self._key_kwargs(kwargs, key, tr, spec, n_op)
+            if grad is not None:
+                ap(("grad_enabled", grad))
+            key_t = tuple(key)
 
-        node = tr.node
-        child = node.children.get(key_t) if node is not None else None
-        if child is not None:
-            tr.node = child
-            out_spec = child.out
-        else:
-            if node is not None:
-                tr.leave_trie()
-                where = user_frame()
-                if not tr.after_warmup:  # fragments cut by learning new ops are not misses
-                    self._note_miss(tr, explain_miss(node, key_t, where))
+            node = tr.node
+            child = node.children.get(key_t) if node is not None else None
+            if child is not None:
+                tr.node = child
+                out_spec = child.out
             else:
-                where = user_frame()
-            out_spec = self._metadata(op, spec, args, kwargs)
-            tr.off_keys.append(key_t)
-            tr.off_outs.append(out_spec)
-            tr.off_where.append(where)
-        out, slots = _outputs(out_spec, args, tr)
-        tr.ops.append((op, tuple(margs), kwargs, slots))
-        M.ops_deferred += 1
+                if node is not None:
+                    tr.leave_trie()
+                    where = user_frame()
+                    if not tr.after_warmup:  # fragments cut by learning new ops are not misses
+                        self._note_miss(tr, explain_miss(node, key_t, where))
+                else:
+                    where = user_frame()
+                out_spec = self._metadata(op, spec, args, kwargs)
+                tr.off_keys.append(key_t)
+                tr.off_outs.append(out_spec)
+                tr.off_where.append(where)
+            out, slots = _outputs(out_spec, args, tr)
+            if grad is not None:
+                tr.grad_ops[n_op] = grad
+            tr.ops.append((op, tuple(margs), kwargs, slots))
+            M.ops_deferred += 1
+        finally:
+            self.busy = False
         if n_op + 1 >= self.cap:
             self.flush("trace_cap")
         return out
 
     def _external(self, a: torch.Tensor, tr: Trace) -> Any:
         if type(a) is LazyTensor and a._ae_real is None:
+            if a._ae_error is None:
+                # Pending in another thread's trace: running that one from inside record
+                # (busy) could wait on a thread that waits on this one; run this op at once.
+                raise RunNow("input pending in another thread's trace")
             try:
-                materialize(a)  # pending in another engine's trace, or poisoned
+                materialize(a)  # poisoned: raises the error of its trace
             except BaseException as err:
                 _mark_user(err)
                 raise
@@ -262,31 +370,78 @@ class Engine:
         """Run the pending trace (a sync point). Cheap when nothing is pending."""
         tr = self.trace
         if not tr.ops:
+            if _get_ident() != self.owner:
+                return
             if tr.ext or tr.node is not tr.start:
                 self.trace = tr = Trace(self)
             if reason.startswith("new_op:"):
                 tr.after_warmup = True
             return
+        if _get_ident() != self.owner:
+            self._flush_foreign(reason)
+            return
         with self.lock, span("adaptive_eager.flush"):
+            tr = self.trace  # re-read: another thread may have run it while this one waited
+            if not tr.ops:
+                return
             self.trace = Trace(self)
             M.flushes += 1
             M.flush_reasons[reason] += 1
             self.trace.after_warmup = reason.startswith("new_op:")
-            entry = self._finish(tr)
-            live = live_slots(tr)
+            self.flushing += 1
             try:
-                env = self._execute(entry, tr, live)
-                publish(tr, env, self.check)
-            except BaseException as err:
-                M.replay_errors += 1
-                poison(tr, err)
-                _mark_user(err)
-                raise
+                self._run_trace(tr, True)
             finally:
-                tr.ops.clear()
-                tr.ext.clear()
+                self.flushing -= 1
 
-    def _execute(self, entry: TraceEntry, tr: Trace, live: list[int]) -> list:
+    def _run_trace(self, tr: Trace, owner: bool) -> None:
+        if _transforms_active():
+            # Recorded below every functorch transform: run it there too, or its outputs would
+            # be wrapped at the level of the transform this flush happens in.
+            with _DisableFuncTorch():
+                self._run_trace_now(tr, owner)
+        else:
+            self._run_trace_now(tr, owner)
+
+    def _run_trace_now(self, tr: Trace, owner: bool) -> None:
+        entry = self._finish(tr)
+        live = live_slots(tr)
+        try:
+            env = self._execute(entry, tr, live, owner)
+            publish(tr, env, self.check, owner)
+        except BaseException as err:
+            M.replay_errors += 1
+            poison(tr, err)
+            _mark_user(err)
+            raise
+        finally:
+            tr.ops.clear()
+            tr.ext.clear()
+
+    def _flush_foreign(self, reason: str) -> None:
+        """Run this engine's trace from a thread that does not own it (Note [threads and lazy
+        tensors]): under ``lock``, once the owner is out of ``record``. The trace stays
+        ``self.trace`` until its values are published, so the owner, which may keep running
+        ops that need no recording meanwhile, still sees its pending writes and waits on
+        ``lock`` before touching them."""
+        with self.lock:
+            self.foreign = True
+            try:
+                while self.busy:  # the owner leaves record within microseconds
+                    time.sleep(0)
+                tr = self.trace
+                if not tr.ops:
+                    return
+                M.flushes += 1
+                M.flush_reasons[f"other_thread:{reason}"] += 1
+                try:
+                    self._run_trace(tr, False)
+                finally:
+                    self.trace = Trace(self)
+            finally:
+                self.foreign = False
+
+    def _execute(self, entry: TraceEntry, tr: Trace, live: list[int], owner: bool) -> list:
         """Run the trace: its fused program when one is ready and usable, else op by op."""
         mgr = self.compiler
         program = None
@@ -295,7 +450,8 @@ class Engine:
                 mgr.observe(entry, tr)
             program = mgr.program_for(entry, tr, live)
             mgr.note_flush(tr.node is not None and entry.runs > 1)
-            if self.presence is not None and ((mgr.flushes & 31) == 0
+            # stepping aside pushes and pops modes: only on the owner's own thread
+            if owner and self.presence is not None and ((mgr.flushes & 31) == 0
                                               or len(mgr.decided) != self._decisions_seen):
                 self._decisions_seen = len(mgr.decided)
                 self._consider_step_aside()
@@ -382,7 +538,11 @@ class Engine:
         it costs less than recording, reads no data (so needs no flush), and its result enters
         traces as an external input whose storage offset is not part of the key. Deferred views
         then only ever have lazy bases, whose offsets follow from the trace itself; so a loop over
-        ``data[i:i + 64]`` is one repeating trace, not a new one per batch."""
+        ``data[i:i + 64]`` is one repeating trace, not a new one per batch. Composite ops that
+        only may return a view (``to``, ``reshape``, ``contiguous``; they reach this mode under
+        inference mode) copy when they must, so they wait for pending writes to their input."""
+        if self.trace.ops and _may_copy(spec) and self._touches_trace(args, kwargs):
+            self.flush(f"copy_input:{spec.name}")
         M.ops_eager += 1
         with _DisableDispatch(), _DisableFunction():
             return op(*resolve_all(args), **kwargs)
@@ -487,11 +647,24 @@ def _outputs(spec: Any, args: tuple, tr: Trace) -> tuple[Any, Any]:
 
 
 _HOST_LEARNS = 16  # host-scalar runs per op whose output metadata is learned
+_MAY_COPY: dict[OpSpec, bool] = {}
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def _may_copy(spec: OpSpec) -> bool:
+    """Whether a view op is composite (may copy instead of viewing: reshape, to, contiguous)."""
+    may = _MAY_COPY.get(spec)
+    if may is None:
+        may = _MAY_COPY[spec] = spec.op.has_kernel_for_dispatch_key(_COMPOSITE)
+    return may
 
 
 def _metadata_key(op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> tuple:
-    return (torch.get_default_dtype(), op, _meta_key(args, spec),
-            _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
+    key = (torch.get_default_dtype(), op, _meta_key(args, spec),
+           _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
+    if spec.policy == GRAD_MODE:  # Note [grad-mode kernels]
+        return (*key, torch.is_grad_enabled())
+    return key
 
 
 def _meta_key(items: tuple, spec: OpSpec) -> tuple:
@@ -518,17 +691,53 @@ def _meta_key(items: tuple, spec: OpSpec) -> tuple:
 def _view_metadata(op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
     """Output metadata of a view of a pending lazy tensor, without running anything.
 
-    A view reads no data, so it runs on the wrappers themselves (Python dispatch off): the
-    result has the view's exact sizes, strides and offset. Without this, a view first seen on a
-    real tensor (made at once, engine.run_view) would need one more eager run once its input
-    became lazy, and chains of them would take a run per level to defer."""
+    A view reads no data, so it runs on meta stand-ins with the inputs' exact sizes, strides,
+    offsets and view bits: the result has the view's exact metadata. Without this, a view first
+    seen on a real tensor (made at once, engine.run_view) would need one more eager run once its
+    input became lazy, and chains of them would take a run per level to defer. Never on the
+    wrappers themselves: under inference mode, ops that only may return a view (``to``,
+    ``reshape``, ``contiguous``: composite ops that then reach this mode) copy when they must,
+    and a copy reads the data a wrapper does not have (a segfault). A result that does not alias
+    its base was such a copy: its metadata then come from a real run (NeedRun)."""
     if spec.view_arg is None:
         return None
     try:
         with _DisableDispatch(), _DisableFunction():
-            return _out_spec(op(*args, **kwargs), spec.ret_alias)
+            margs = tuple(_stand_in(a) for a in args)
+            mkwargs = {k: _stand_in(v) for k, v in kwargs.items()} if kwargs else {}
+            base = margs[spec.view_arg]
+            out = op(*margs, **mkwargs)
+            return _view_spec(out, base, args[spec.view_arg].device)
     except Exception:
         return None
+
+
+def _stand_in(a: Any) -> Any:
+    """A meta tensor with a tensor's metadata (no data, so nothing can read any)."""
+    t = type(a)
+    if t is list or t is tuple:
+        return t(_stand_in(x) for x in a)
+    if not isinstance(a, _Tensor):
+        return a
+    m = a._ae_meta if t is LazyTensor else meta_of(a)
+    extent = m.offset + 1 + sum((n - 1) * st for n, st in zip(m.size, m.stride)) if all(
+        m.size) else m.offset
+    x = torch.empty(extent, dtype=m.dtype, device="meta").as_strided(m.size, m.stride, m.offset)
+    if m.bits & CONJ:
+        torch._C._set_conj(x, True)
+    if m.bits & NEG:
+        torch._C._set_neg(x, True)
+    return x
+
+
+def _view_spec(out: Any, base: torch.Tensor, device: torch.device) -> Any:
+    """Metadata of a view made on meta stand-ins, on the real device; raises for a copy."""
+    if type(out) is list or type(out) is tuple:
+        return type(out)(_view_spec(o, base, device) for o in out)
+    if not isinstance(out, _Tensor) or not torch._C._is_alias_of(out, base):
+        raise Unsupported("not a view")
+    bits = (CONJ if out.is_conj() else 0) | (NEG if out.is_neg() else 0)
+    return intern_meta(out.shape, out.stride(), out.storage_offset(), out.dtype, device, bits)
 
 
 EAGER_ONLY = "eager-only"  # metadata-cache value: outputs a lazy tensor cannot stand for

@@ -78,11 +78,17 @@ def replay(trace: Trace, live: list[int], check: bool) -> list:
     ops = trace.ops
     env: list[Any] = [None] * trace.n_slots
     plan = _release_plan(trace, live)
+    grad_ops = trace.grad_ops
     i = 0
     with ReplayGuard():
         try:
             for i, (op, args, kwargs, slots) in enumerate(ops):
-                res = op(*_real(args, env), **{k: _real(v, env) for k, v in kwargs.items()})
+                if grad_ops and i in grad_ops:  # Note [grad-mode kernels] in engine.py
+                    with torch.set_grad_enabled(grad_ops[i]):
+                        res = op(*_real(args, env),
+                                 **{k: _real(v, env) for k, v in kwargs.items()})
+                else:
+                    res = op(*_real(args, env), **{k: _real(v, env) for k, v in kwargs.items()})
                 _store(slots, res, env)
                 drop = plan.get(i)
                 if drop is not None:
@@ -96,15 +102,23 @@ def replay(trace: Trace, live: list[int], check: bool) -> list:
     return env
 
 
-def publish(trace: Trace, env: list, check: bool) -> None:
+def publish(trace: Trace, env: list, check: bool, swap: bool = True) -> None:
     """Give each live lazy tensor its real value; those nothing else holds become real tensors
-    (Note [lazy tensors become real] in dispatch/lazy.py)."""
+    (Note [lazy tensors become real] in dispatch/lazy.py), unless ``swap`` is off (a flush from
+    another thread: the owner thread may be holding those very objects)."""
     inputs: set[int] | None = None
     became: dict[int, torch.Tensor] = {}
     for s, ref in enumerate(trace.refs):
         w = ref()
         if w is not None and w._ae_real is None:
             real = env[s]
+            if not isinstance(real, _Tensor):
+                # an op gave no tensor where its metadata promised one (an engine bug): this
+                # value raises when read, instead of leaving a lazy tensor with no value
+                w._ae_error = MetadataMismatch(
+                    f"adaptive_eager: replay produced {type(real).__name__} for slot {s}, the "
+                    f"lazy tensor said {w._ae_meta}")
+                continue
             if check and meta_of(real) is not w._ae_meta:
                 raise MetadataMismatch(f"adaptive_eager: replay produced {meta_of(real)} for slot "
                                        f"{s}, the lazy tensor said {w._ae_meta}")
@@ -113,7 +127,8 @@ def publish(trace: Trace, env: list, check: bool) -> None:
                 w._ae_real = done
                 continue
             w._ae_real = real
-            if (type(real) is not _Tensor or w.requires_grad or real.layout is not _strided
+            if (not swap or type(real) is not _Tensor or w.requires_grad
+                    or real.layout is not _strided
                     or w._use_count() != 1):
                 continue
             if inputs is None:

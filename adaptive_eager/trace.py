@@ -51,7 +51,7 @@ class Trace:
 
     __slots__ = ("engine", "ops", "ext", "ext_ids", "groups", "n_slots", "node", "start",
                  "off_keys", "off_outs", "off_where", "off_node", "refs", "last", "scalars",
-                 "after_warmup")
+                 "after_warmup", "grad_ops")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -64,6 +64,7 @@ class Trace:
         self.last: list[int] = []
         self.scalars: list[Any] = []
         self.after_warmup = False  # started right after a flush that learned a new op
+        self.grad_ops: dict[int, bool] = {}  # op index -> grad mode (Note [grad-mode kernels])
         self.start: TrieNode = TRIE.root(torch.get_default_dtype())
         self.node: TrieNode | None = self.start  # None once the trace leaves the trie
         self.off_node: TrieNode | None = None  # last trie node before it left

@@ -236,11 +236,12 @@ def test_other_threads_are_unaffected(engine) -> None:
 
     for _ in range(2):  # the second time, this thread defers the same op
         mine = torch.ones(3) * 2
+    assert type(mine) is ae.LazyTensor
     t = threading.Thread(target=worker)
-    t.start()
+    t.start()  # a sync point of this thread (Note [threads and lazy tensors])
     t.join()
     assert seen == {"type": torch.Tensor, "value": [2.0, 2.0, 2.0]}
-    assert type(mine) is ae.LazyTensor
+    assert mine.tolist() == [2.0, 2.0, 2.0]
 
 
 def test_nested_and_reentered_contexts() -> None:

@@ -168,19 +168,24 @@ def become_real(w: LazyTensor, real: torch.Tensor) -> None:
 
 
 def materialize(t: LazyTensor) -> torch.Tensor:
-    """The real value of a lazy tensor, flushing its trace if it has not run yet."""
+    """The real value of a lazy tensor, flushing its trace if it has not run yet (from any
+    thread: Note [threads and lazy tensors] in engine.py)."""
     real = t._ae_real
     if real is None:
+        if t._ae_error is None:
+            t._ae_trace.engine.flush("read")
+            if type(t) is not LazyTensor:  # it became real (Note [lazy tensors become real])
+                return t
+            real = t._ae_real
+            if real is not None:
+                return real
         if t._ae_error is not None:
             raise ValueUnavailable(
                 "adaptive_eager: this tensor has no value because a deferred op before it "
                 f"failed when its trace ran: {t._ae_error!r}") from t._ae_error
-        t._ae_trace.engine.flush("read")
-        if type(t) is not LazyTensor:  # it became a real tensor (Note [lazy tensors become real])
-            return t
-        real = t._ae_real
-        if real is None:  # the flush failed for this tensor
-            return materialize(t)
+        # Never expected: its trace ran (or is not its engine's pending one) and gave it nothing.
+        raise RuntimeError("adaptive_eager: internal error: a lazy tensor got no value from its "
+                           "trace; please report it (adaptive_eager.disable() avoids it)")
     return real
 
 

@@ -20,12 +20,21 @@ from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
 from adaptive_eager.dispatch.opspec import (
     ALLOC, DEFER, INPLACE_VIEW, PASSTHROUGH, RANDOM, SPECS, SYNC, spec_for,
 )
-from adaptive_eager.engine import Engine, NeedRun, RunNow, is_user_error
+from adaptive_eager.engine import (
+    GRAD_MODE, GRAD_MODE_OPS, Engine, NeedRun, RunNow, is_user_error,
+)
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import Unsupported
 
 _DisableDispatch = torch._C._DisableTorchDispatch
 _T = torch.Tensor
+_transforms_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+
+for _op in GRAD_MODE_OPS:  # Note [grad-mode kernels] in engine.py
+    _spec = spec_for(_op)
+    if _spec.policy == DEFER:
+        _spec.policy, _spec.reason = GRAD_MODE, "deferred; its kernel reads the grad mode"
 
 
 class DeferMode(TorchDispatchMode):
@@ -56,31 +65,57 @@ class DeferMode(TorchDispatchMode):
                     return eng.run_view(func, spec, args, kwargs)
             if is_host_scalar_op(args):
                 return eng.run_host_scalar(func, spec, args, kwargs)
-            try:
-                return eng.record(func, spec, args, kwargs)
-            except NeedRun as miss:
-                M.meta_misses += 1
-                return eng.run_eager(func, spec, args, kwargs, f"new_op:{spec.name}", miss.key)
-            except RunNow as why:
-                return eng.run_fallback(func, spec, args, kwargs, f"sync({why})")
-            except Unsupported as why:
-                return eng.run_fallback(func, spec, args, kwargs, f"unsupported({why})")
-            except Exception as err:
-                if is_user_error(err):
-                    raise
-                reason = eng.engine_error(err, spec)
-                return eng.run_fallback(func, spec, args, kwargs, reason)
+            return defer(eng, func, spec, args, kwargs, None)
         if policy == ALLOC or policy == PASSTHROUGH:
             M.ops_eager += 1
             with _DisableDispatch():  # metadata-only: wrappers can be passed as they are
                 return func(*args, **kwargs)
         if policy == RANDOM:
+            at = _DROPOUT_AT.get(spec)
+            if at is not None and _no_dropout(at, args, kwargs):
+                return defer(eng, func, spec, args, kwargs, None)
             return eng.run_random(func, spec, args, kwargs)
         if policy == INPLACE_VIEW:
             return eng.run_inplace_view(func, spec, args, kwargs)
         if policy == SYNC:
             return eng.run_sync(func, spec, args, kwargs)
+        if policy == GRAD_MODE:
+            return defer(eng, func, spec, args, kwargs, _grad_enabled())
         return eng.run_fallback(func, spec, args, kwargs, "fallback")
+
+
+# Note [attention without dropout]
+# Fused attention kernels are tagged nondeterministic_seeded for their dropout; with
+# dropout_p == 0 (eval, or a model without attention dropout) they draw nothing, so they are
+# deferred like any op instead of cutting the trace at every attention call. Position of
+# dropout_p in each schema:
+_DROPOUT_AT: dict[Any, int] = {
+    spec_for(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default): 3,
+}
+
+
+def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:
+    p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+    return p == 0.0 and type(p) is not bool
+
+
+def defer(eng: Engine, func: Any, spec: Any, args: tuple, kwargs: dict,
+          grad: bool | None) -> Any:
+    """Record one op; whatever cannot be recorded runs eagerly (counted, with its reason)."""
+    try:
+        return eng.record(func, spec, args, kwargs, grad)
+    except NeedRun as miss:
+        M.meta_misses += 1
+        return eng.run_eager(func, spec, args, kwargs, f"new_op:{spec.name}", miss.key)
+    except RunNow as why:
+        return eng.run_fallback(func, spec, args, kwargs, f"sync({why})")
+    except Unsupported as why:
+        return eng.run_fallback(func, spec, args, kwargs, f"unsupported({why})")
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        reason = eng.engine_error(err, spec)
+        return eng.run_fallback(func, spec, args, kwargs, reason)
 
 
 def is_host_scalar_op(args: tuple) -> bool:
@@ -173,12 +208,38 @@ class ReadGuardMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if kwargs is None:
             kwargs = {}
+        if _transforms_active():
+            return self._in_transform(func, args, kwargs)
         special = _SPECIAL.get(func)
         if special is None:
             return func(*args, **kwargs)
         if special is _READ:
             return self._read(func, args, kwargs)
         return _with_eager_backward(func, args, kwargs)
+
+    def _in_transform(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Note [functorch transforms]
+        Inside ``torch.func`` transforms (vmap, grad, jacrev, jacfwd, hessian, vjp, jvp) ops run
+        plain eager on real values. functorch wraps tensors in its own wrappers (BatchedTensor,
+        GradTrackingTensor) above the Python dispatch key and unwraps them below it, so lazy
+        tensors would end up inside wrappers whose kernels read their (absent) storage, and
+        values swapped in at publish would be hidden behind them. The dispatch mode cannot tell
+        (the interpreter stack reads empty inside its handler), but this mode, above functorch,
+        can: each torch call inside a transform flushes the pending trace (so lazy inputs have
+        values and pending writes have landed), then runs with the engine's dispatch mode off.
+        Lazy tensors made before the transform reach their own ``__torch_dispatch__``, which
+        runs on their values. Flushes run with functorch off (Engine._run_trace). Counted as fallbacks (``fallback_ops["functorch"]``)."""
+        self.engine.flush("functorch")
+        M.fallbacks += 1
+        M.fallback_ops["functorch"] += 1
+        mode = _get_current_dispatch_mode()
+        if type(mode) is not DeferMode:  # a user's mode above the engine's: leave the stack
+            return func(*args, **kwargs)
+        popped = torch._C._pop_torch_dispatch_stack(None)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch._C._push_on_torch_dispatch_stack(popped)
 
     def _read(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func is _T.to and not _moves_device(args, kwargs):
