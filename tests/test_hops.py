@@ -342,6 +342,32 @@ def test_backward_through_compiled_function_with_lazy_inputs() -> None:
     assert_equal_tree(expected, got)
 
 
+def test_compiled_optimizer_step_inside_the_engine() -> None:
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    results = []
+    for engine in (False, True):
+        torch._dynamo.reset()
+        net = _mlp()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True)
+        step = torch.compile(opt.step, backend="aot_eager")  # reads lazy .grad through opt
+        ctx = ae.adaptive_eager(backend="replay", step_aside=False, check=True) if engine else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            out = []
+            for _ in range(3):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(net(x), y)
+                loss.backward()
+                step()  # the engine's optimizer-step hook runs inside: Dynamo must skip it
+                out.append(loss.item())
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        results.append(out + [p.detach().clone() for p in net.parameters()])
+    assert_equal_tree(results[0], results[1])
+
+
 @pytest.mark.slow
 def test_inductor_compiled_module_training_matches_compile_outside() -> None:
     x, y = torch.randn(8, 16), torch.randn(8, 4)

@@ -304,7 +304,11 @@ def _install_dynamo() -> None:
 
 
 def _patch_dynamo() -> None:
-    from torch._dynamo import eval_frame
+    from torch._dynamo import eval_frame, trace_rules
+
+    # The engine's own code (its optimizer-step and module hooks, flushes) can run inside a
+    # compiled region, e.g. a compiled ``optimizer.step``: Dynamo must run it, never trace it.
+    trace_rules.add("adaptive_eager")
 
     ctx_call = eval_frame._TorchDynamoContext.__call__
 
