@@ -25,5 +25,8 @@ def autoload() -> None:
 
         enable_from_env()
     except ValueError as err:  # ConfigError, UnknownBackend: the user's setting, not a bug
-        print(f"adaptive_eager: {err}", file=sys.stderr, flush=True)
+        text = str(err)
+        if not text.startswith("adaptive_eager"):
+            text = f"adaptive_eager: {text}"
+        print(text, file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -89,9 +89,8 @@ def cmd_cache(ns: argparse.Namespace) -> int:
                     print(f"program {key[8:24]}  backend={value.get('backend', '?')}  "
                           f"ops={info.get('n_ops', '?')}  {value.get('size', 0) / 1024:.0f} KiB  "
                           f"torch={value.get('torch', '?')}")
-            disk.enforce_limit(rescan=True, limit=1 << 62)  # measure only
             print(f"{disk.directory}: " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
-                  + f"; {disk.usage() / (1 << 20):.1f} MiB")
+                  + f"; {disk.measure() / (1 << 20):.1f} MiB")
         elif ns.action == "clear":
             n = disk.clear()
             print(f"removed {n} entries from {disk.directory}")

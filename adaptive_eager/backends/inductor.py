@@ -46,11 +46,19 @@ class InductorBackend:
         return f"inductor:{sorted(self.options.items())}"
 
     def compile(self, graph: Any) -> Any:
+        import time
+
+        from adaptive_eager.cache import trust
+
         ensure_kernel_dir()
+        start = time.time()
         with torch.no_grad():  # an inference program: autograd already ran above the engine
-            return torch._inductor.standalone_compile(
+            program = torch._inductor.standalone_compile(
                 graph.gm, _detached(graph.example_inputs), dynamic_shapes="from_example_inputs",
                 options=self.options, aot=True)
+        if trust.loose_umask():  # kernels made 0777 would be refused (and deleted) next run
+            trust.tighten(chosen_kernel_dir(), start)
+        return program
 
     def warm_up(self) -> None:
         """Import what loading a program needs (seconds in a fresh interpreter)."""

@@ -474,6 +474,15 @@ class DiskCache:
         self._other_bytes = trust.scan(self.directory / RUNS_DIR)[0]
         self._scanned_at = time.monotonic()
 
+    def measure(self) -> int:
+        """Walk the folder again and return ``usage()``."""
+        with self._lock:
+            try:
+                self._rescan()
+            except Untrusted:
+                pass
+        return self.usage()
+
     def usage(self) -> int:
         """Bytes the folder holds: database, Inductor kernels, run logs (as last measured)."""
         return (self._db_bytes() + sum(s for s, _ in self._kernels.values())

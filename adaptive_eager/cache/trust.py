@@ -219,3 +219,41 @@ def remove_tree(path: Path) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+def loose_umask() -> bool:
+    """Whether files this process creates come out writable by group or others (umask 000)."""
+    try:
+        with open("/proc/self/status") as f:  # reading the umask without setting it (threads)
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8) & _LOOSE != _LOOSE
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def tighten(folder: str | Path, since: float) -> None:
+    """Take group/other write off this user's entries made since ``since`` (a compile under a
+    loose umask), so the next check does not have to refuse, and delete, fresh kernels."""
+    stack = [os.fspath(folder)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode) or st.st_uid != uid():
+                continue
+            if st.st_mode & _LOOSE and st.st_mtime >= since - 1:
+                try:
+                    os.chmod(e.path, stat.S_IMODE(st.st_mode) & ~_LOOSE)
+                except OSError:
+                    pass
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(e.path)
+
