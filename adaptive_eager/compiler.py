@@ -36,9 +36,12 @@ workers concurrent.futures joins at exit: a compile pending at exit held the pro
 seconds to minutes, then stored nothing). When the program's main thread ends
 (``threading._register_atexit``, before non-daemon threads are joined), work still queued or
 running is dropped, the helper is abandoned, and one line on stderr says how many compiles and
-that the next run compiles them (their traces are marked hot on disk at submit). The modules a
-load needs are imported when the worker starts, so a load that ends late does not try to
-register an atexit hook during shutdown.
+that the next run compiles them (their traces are marked hot on disk at submit). The worker imports
+nothing itself: the compiler's modules are imported in the program's thread before the first job
+(``_import_compiler``, 2.4 s here on a loaded 2-core machine, paid once, at the first hot or
+loaded trace). A background import raced the program's own ``import torch._dynamo`` (which any
+torch.optim optimizer does) and raised "partially initialized module" ImportErrors in user code;
+and a load that imports late, during shutdown, failed to register its atexit hook.
 
 Note [persisted decisions]
 Statistics on disk carry evidence with an age. A failure records its stage, error, whether it is
@@ -217,7 +220,6 @@ class _Worker:
         return fut
 
     def _loop(self) -> None:
-        _preload()
         while True:
             with self._cond:
                 while not self._jobs and not self.closed:
@@ -269,6 +271,7 @@ class _Worker:
 
 WORKER = _Worker()
 _exit_hook_registered = False
+_imported = False  # the compiler's modules were imported in a program thread
 
 
 def _preload() -> None:
@@ -279,6 +282,14 @@ def _preload() -> None:
         import concurrent.futures.thread  # noqa: F401
     except Exception:  # never fatal: a late load then fails and is dropped
         pass
+
+
+def _import_dynamo_first() -> None:
+    """Import torch._dynamo, whole, before anything of torch._inductor: the other order takes
+    their module locks the other way round from a program thread's ``import torch._dynamo`` (any
+    torch.optim optimizer does it), and importlib raised _DeadlockError or "partially initialized
+    module" in one of the two threads (two threads, two engines)."""
+    import torch._dynamo  # noqa: F401
 
 
 def _register_exit_hook() -> None:
@@ -354,17 +365,29 @@ class CompileManager:
                                        options.cache_size_mb * 1024 * 1024)
             prepare = getattr(self.backend, "prepare", None)
             if self.disk is not None and prepare is not None:
+                _import_dynamo_first()  # prepare may import torch._inductor
                 prepare(str(self.disk.directory))
-            warm_up = getattr(self.backend, "warm_up", None)
-            if self.disk is not None and warm_up is not None and options.compile_async:
-                # A warm cache means programs will load soon: import the compiler now, in the
-                # worker, so the first load does not start from a cold interpreter.
-                WORKER.submit(self._quietly, warm_up)
 
-    @staticmethod
-    def _quietly(fn: Callable[[], Any]) -> None:
+    def _import_compiler(self) -> None:
+        """Import what compiling and loading need, in the program's thread, before any of it
+        runs in the worker (Note [compile worker]: imports racing the program's own)."""
+        global _imported
+        if _imported:
+            return
+        _imported = True
+        start = time.perf_counter()
         with outside_modes():
-            fn()
+            _preload()
+            warm_up = getattr(self.backend, "warm_up", None)
+            try:
+                _import_dynamo_first()
+                if warm_up is not None:
+                    warm_up()
+                if self.backend.name == "inductor":  # what deserializing a program imports
+                    import torch._inductor.codegen.wrapper  # noqa: F401
+            except Exception as err:  # the compile or load that needs it reports it
+                log.info("adaptive_eager: importing the compiler failed: %s", err)
+        log.info("adaptive_eager: compiler imported in %.2fs", time.perf_counter() - start)
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
@@ -481,6 +504,7 @@ class CompileManager:
 
     def _start(self, entry: TraceEntry, work: Any, *args: Any, label: str = "") -> None:
         """Run a helper compile or a load in the worker thread (now, with compile_async off)."""
+        self._import_compiler()
         entry.state = "compiling"
         with STATE_LOCK:
             M.compiles_pending += 1
@@ -500,6 +524,7 @@ class CompileManager:
     def _compile_here(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> None:
         """Compile in this process, in the flushing thread (Note [in-process compiles])."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._import_compiler()
         with STATE_LOCK:
             M.compiles_pending += 1
         try:
