@@ -395,3 +395,41 @@ def test_compiled_function_made_before_the_hooks_still_leaves_the_engine() -> No
     for g in got:
         assert torch.equal(g, expected)
     assert fallbacks()["torch.compile region (unwrapped)"] == 3
+
+
+@pytest.mark.slow
+def test_inductor_compiled_optimizer_step_and_a_lazy_closure() -> None:
+    # Compiled kernels must never be handed a lazy tensor (they read its storage directly):
+    # kept gradients read through the optimizer, and a lazy tensor captured by a closure.
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    base = torch.randn(8, 4)
+    holder: dict = {}
+
+    @torch.compile
+    def shift(t: torch.Tensor) -> torch.Tensor:
+        return t * holder["w"].sin() + 1
+
+    results = []
+    for engine in (False, True):
+        torch._dynamo.reset()
+        net = _mlp()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True)
+        step = torch.compile(opt.step)
+        ctx = ae.adaptive_eager(backend="replay", step_aside=False, check=True) if engine else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            out = []
+            for _ in range(3):
+                holder["w"] = base * 2
+                keep = holder["w"]  # two references: stays a lazy tensor after the flush
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(shift(net(x)), y)
+                loss.backward()
+                step()
+                out += [loss.item(), to_plain(keep)]
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        results.append(out + [p.detach().clone() for p in net.parameters()])
+    assert_equal_tree(results[0], results[1])

@@ -199,9 +199,16 @@ def _input_nodes(args: tuple, kwargs: dict) -> set[Any]:
             if isinstance(a, torch.Tensor) and a.grad_fn is not None}
 
 
-def run_region(engine: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def run_region(engine: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               optimizer: Any = None) -> Any:
     """Run compiled code inside an engine's context (Note [compiled regions])."""
     engine.flush("compiled_region")
+    if optimizer is not None:
+        # A compiled ``optimizer.step`` reads the gradients through the optimizer, not its
+        # arguments: kept lazy gradients become plain tensors first (identity kept).
+        from adaptive_eager.aside import realize_grads
+
+        realize_grads(optimizer)
     M.fallbacks += 1
     M.fallback_ops["torch.compile region"] += 1
     bridges: list[Any] = []
@@ -219,13 +226,15 @@ def region_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a compiled callable so calls under an engine take the region path."""
     if getattr(fn, "_ae_region", False):
         return fn
+    owner = getattr(getattr(fn, "_torchdynamo_orig_callable", None), "__self__", None)
+    optimizer = owner if isinstance(owner, torch.optim.Optimizer) else None
 
     @functools.wraps(fn)
     def region(*args: Any, **kwargs: Any) -> Any:
         if _len_dispatch():
             engine = active_engine()
             if engine is not None:
-                return run_region(engine, fn, args, kwargs)
+                return run_region(engine, fn, args, kwargs, optimizer)
         return fn(*args, **kwargs)
 
     region._ae_region = True  # type: ignore[attr-defined]
@@ -309,6 +318,10 @@ def _patch_dynamo() -> None:
     # The engine's own code (its optimizer-step and module hooks, flushes) can run inside a
     # compiled region, e.g. a compiled ``optimizer.step``: Dynamo must run it, never trace it.
     trace_rules.add("adaptive_eager")
+    # A lazy tensor the region reaches other than through its arguments (a kept gradient, a
+    # closure) must never be handed to compiled code as if it had storage: Dynamo models it
+    # conservatively (graph breaks), and its ops then run on its value outside the engine.
+    torch._dynamo.config.nontraceable_tensor_subclasses.add(LazyTensor)
 
     ctx_call = eval_frame._TorchDynamoContext.__call__
 
