@@ -72,13 +72,16 @@ def owned_engine() -> Engine | None:
 #   pending on a third thread makes the op run at once instead, outside ``record``), so the
 #   wait is microseconds. Cost on the hot path: two attribute stores and a load per op. The
 #   trace stays the engine's pending trace until its values are published, so the owner's
-#   eager ops that touch its pending writes wait on ``lock`` meanwhile; lazy tensors are not
-#   swapped into plain tensors by a foreign flush (the owner may hold those very objects).
+#   eager ops that touch its pending writes wait on ``lock`` meanwhile. Another thread reads a
+#   lazy tensor's value only under ``lock`` (lazy.materialize), so it never sees a flush of the
+#   owner half done; once one has, the engine stops turning lazy tensors into plain ones at
+#   publish (``shared``: other threads may hold those very objects).
 # - A deferred in-place write to a real tensor that another thread reads after a handoff:
-#   eager makes the write visible before the handoff. ``threading.Condition.notify`` (which
-#   ``Event.set``, ``queue.Queue.put``, ``Semaphore.release``, ``Barrier.wait`` and
-#   multiprocessing queues go through) and ``Thread.start`` flush the calling thread's pending
-#   trace first (an attribute load when no engine is pending on that thread). A bare
+#   eager makes the write visible before the handoff. ``threading.Condition.notify`` and
+#   ``Condition.wait`` (which ``Event.set``/``wait``, ``queue.Queue.put``/``get``,
+#   ``Semaphore``, ``Barrier.wait`` and multiprocessing queues go through) and ``Thread.start``
+#   flush the calling thread's pending trace first (an attribute load when no engine is
+#   pending on that thread; never inside record or a flush of that thread). A bare
 #   ``threading.Lock``/``RLock`` release is C code and cannot be seen: a program that hands
 #   tensors written under the engine to another thread through a bare lock calls
 #   ``adaptive_eager.sync()`` before releasing it.
@@ -94,18 +97,24 @@ def install_thread_sync() -> None:
         return
     _sync_installed = True
     notify = threading.Condition.notify
+    wait = threading.Condition.wait
     start = threading.Thread.start
 
     def _notify(self: threading.Condition, n: int = 1) -> None:
         _flush_before_handoff("thread_sync:notify")
         notify(self, n)
 
+    def _wait(self: threading.Condition, timeout: float | None = None) -> bool:
+        _flush_before_handoff("thread_sync:wait")  # it releases the lock: another may read
+        return wait(self, timeout)
+
     def _start(self: threading.Thread) -> None:
         _flush_before_handoff("thread_sync:start")
         start(self)
 
-    _notify.__doc__, _start.__doc__ = notify.__doc__, start.__doc__
+    _notify.__doc__, _wait.__doc__, _start.__doc__ = notify.__doc__, wait.__doc__, start.__doc__
     threading.Condition.notify = _notify  # type: ignore[method-assign]
+    threading.Condition.wait = _wait  # type: ignore[method-assign]
     threading.Thread.start = _start  # type: ignore[method-assign]
 
 
@@ -162,6 +171,7 @@ class Engine:
         self.busy = False  # the owner is inside record (mutating the trace); never blocks there
         self.foreign = False  # another thread holds ``lock`` to run this engine's trace
         self.flushing = 0  # depth of flushes in progress on the owner thread
+        self.shared = False  # another thread has read this engine's lazy tensors
         self.trace = Trace(self)
         _OWNED.engine = self
         install_thread_sync()
@@ -368,17 +378,15 @@ class Engine:
     # ---- flush ------------------------------------------------------------------------------
     def flush(self, reason: str) -> None:
         """Run the pending trace (a sync point). Cheap when nothing is pending."""
+        if _get_ident() != self.owner:
+            self._flush_foreign(reason)  # even with nothing pending: waits for a running flush
+            return
         tr = self.trace
         if not tr.ops:
-            if _get_ident() != self.owner:
-                return
             if tr.ext or tr.node is not tr.start:
                 self.trace = tr = Trace(self)
             if reason.startswith("new_op:"):
                 tr.after_warmup = True
-            return
-        if _get_ident() != self.owner:
-            self._flush_foreign(reason)
             return
         with self.lock, span("adaptive_eager.flush"):
             tr = self.trace  # re-read: another thread may have run it while this one waited
@@ -408,7 +416,7 @@ class Engine:
         live = live_slots(tr)
         try:
             env = self._execute(entry, tr, live, owner)
-            publish(tr, env, self.check, owner)
+            publish(tr, env, self.check, owner and not self.shared)
         except BaseException as err:
             M.replay_errors += 1
             poison(tr, err)
@@ -425,6 +433,7 @@ class Engine:
         ops that need no recording meanwhile, still sees its pending writes and waits on
         ``lock`` before touching them."""
         with self.lock:
+            self.shared = True
             self.foreign = True
             try:
                 while self.busy:  # the owner leaves record within microseconds

@@ -10,12 +10,14 @@ flush first; reads through aten ops are deferred like any other op.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import torch
 
 _DisableDispatch = torch._C._DisableTorchDispatch
 _DisableFunction = torch._C.DisableTorchFunction
+_get_ident = threading.get_ident
 
 
 class Meta:
@@ -170,6 +172,15 @@ def become_real(w: LazyTensor, real: torch.Tensor) -> None:
 def materialize(t: LazyTensor) -> torch.Tensor:
     """The real value of a lazy tensor, flushing its trace if it has not run yet (from any
     thread: Note [threads and lazy tensors] in engine.py)."""
+    eng = t._ae_trace.engine
+    if eng.owner != _get_ident():  # another thread: under the owner's lock, never mid-flush
+        with eng.lock:
+            eng.shared = True
+            return _materialize(t)
+    return _materialize(t)
+
+
+def _materialize(t: LazyTensor) -> torch.Tensor:
     real = t._ae_real
     if real is None:
         if t._ae_error is None:
