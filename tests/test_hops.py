@@ -433,3 +433,33 @@ def test_inductor_compiled_optimizer_step_and_a_lazy_closure() -> None:
                 ctx.__exit__(None, None, None)
         results.append(out + [p.detach().clone() for p in net.parameters()])
     assert_equal_tree(results[0], results[1])
+
+
+@torch.library.custom_op("ae_test::positive", mutates_args=())
+def positive(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0].clone()
+
+
+@positive.register_fake
+def _positive_fake(x: torch.Tensor) -> torch.Tensor:
+    n = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(n)
+
+
+def test_custom_op_with_data_dependent_output_shape_is_a_sync_point() -> None:
+    x0 = torch.randn(64)
+
+    def fn() -> list:
+        out = []
+        for i in range(4):
+            x = x0 * (1 if i % 2 else -1)  # same input metadata, different output sizes
+            p = positive(x)
+            out += [p.shape, to_plain(p * 2)]
+        return out
+
+    expected, got = eager_and_engine(fn)
+    assert_equal_tree(expected, got)
+    assert expected[0] != expected[2]  # the sizes really differ
+    from adaptive_eager.dispatch.opspec import SYNC, spec_for
+
+    assert spec_for(torch.ops.ae_test.positive.default).policy == SYNC

@@ -24,13 +24,18 @@ call (Inductor's fallback kernel for an op with a fake impl). Ops whose schema w
 in program order at replay, as aten in-place ops do; custom ops may not return aliases of inputs.
 Ops without a fake impl, and namespaces of communication and runtime ops (``c10d``,
 ``_c10d_functional``, ...), whose effects are outside the tensors they take, keep the
-flush-and-run fallback. A custom op that draws random numbers must say so with
+flush-and-run fallback. A fake impl that makes its output sizes from data
+(``torch.library.get_ctx().new_dynamic_size()``) makes the op a SYNC point: sizes learned from one
+run would be wrong for the next values. A custom op that draws random numbers must say so with
 ``tags=torch.Tag.nondeterministic_seeded`` (then it runs at once, in program order, as RANDOM).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+import types
+from typing import Any
 
 import torch
 
@@ -123,6 +128,8 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         why = _custom_op_fallback(op, ns)
         if why is not None:
             return FALLBACK, why
+        if _fake_is_data_dependent(op):
+            return SYNC, "custom op whose output shape depends on tensor values"
     if any(a.is_out for a in schema.arguments):
         return FALLBACK, "out= variant (may resize its output)"
     for a in schema.arguments:
@@ -166,16 +173,41 @@ def _custom_op_fallback(op: torch._ops.OpOverload, ns: str) -> str | None:
 
 def has_fake_impl(op: torch._ops.OpOverload) -> bool:
     """Whether the user registered a fake (meta) implementation for ``op``."""
+    return _fake_fn(op) is not None
+
+
+def _fake_fn(op: torch._ops.OpOverload) -> Any:
     try:
         from torch._library.custom_ops import OPDEFS
         from torch._library.simple_registry import singleton
     except ImportError:  # pragma: no cover - a torch without the custom-op library
-        return False
+        return None
     opdef = OPDEFS.get(op._name)
     if opdef is not None:
         # custom_op always registers a fake kernel that raises until register_fake is called
-        return opdef._abstract_fn is not None
-    return singleton.find(op._name).fake_impl.kernel is not None
+        return opdef._abstract_fn
+    kernel = singleton.find(op._name).fake_impl.kernel
+    return None if kernel is None else getattr(kernel, "func", kernel)
+
+
+_DYNAMIC_NAMES = frozenset({"get_ctx", "new_dynamic_size", "new_unbacked_symint",
+                            "create_unbacked_symint"})
+
+
+def _fake_is_data_dependent(op: torch._ops.OpOverload) -> bool:
+    """Whether the fake impl makes output sizes from data (``torch.library.get_ctx()``'s
+    ``new_dynamic_size``): output metadata learned from one run would be wrong for the next
+    values, so such ops are sync points. Read from the names its code uses (nested functions
+    too); a fake impl that hides the call in a helper elsewhere is not seen."""
+    fn = _fake_fn(op)
+    code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+    todo = [code] if code is not None else []
+    while todo:
+        c = todo.pop()
+        if _DYNAMIC_NAMES.intersection(c.co_names):
+            return True
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return False
 
 
 SPECS: dict[torch._ops.OpOverload, OpSpec] = {}
