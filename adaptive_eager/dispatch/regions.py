@@ -20,12 +20,21 @@ compiled function or module made while an engine is active on this thread:
    compiled backward would be handed lazy tensors. A pre-hook on each takes the engine's modes off
    for that node and materializes its gradient inputs (as Note [eager backward] in mode.py).
 
+Compiled kernels read storage directly, so they must never be handed a lazy tensor: a compiled
+``optimizer.step`` reads kept gradients through the optimizer, which become plain tensors first
+(aside.realize_grads, identity kept); any other lazy tensor the region reaches (a closure, a
+module attribute) is one Dynamo models conservatively (``nontraceable_tensor_subclasses``): it
+graph-breaks and those ops run on the lazy tensor's value. Dynamo also skips this package's
+files: the engine's hooks (optimizer step, module calls) may run inside a compiled region.
+
 Hooks (installed once, cheaply): ``torch.compile`` is wrapped when this package is imported, so
 functions compiled afterwards pass through ``region_call`` (torch._dynamo is not imported for
 it); once torch._dynamo is loaded, ``_TorchDynamoContext.__call__`` (every newly made compiled
 function, ``torch._dynamo.optimize`` too) and ``OptimizedModule.__call__`` (every compiled module,
-made before or after) are wrapped as well. With no engine active on the thread the wrapper is one
-thread-local read and a call.
+made before or after) are wrapped as well, and every Dynamo context gets one enter hook: a safety
+net for functions compiled before this package was imported, which flushes and leaves the
+engine's modes for the call but sees neither arguments nor outputs. With no engine active on the
+thread each of these costs one read of the dispatch-stack length.
 """
 
 from __future__ import annotations
@@ -129,11 +138,13 @@ class _Bridge(torch.autograd.Function):
     autograd history (the real value, computed below autograd, has none)."""
 
     @staticmethod
-    def forward(ctx: Any, lazy: torch.Tensor, real: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+            ctx: Any, lazy: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         return real.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+            ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
