@@ -10,9 +10,13 @@ import sys
 
 
 def main() -> None:
+    # argv: [-c, package folder, parent pid] from compile_process.helper_command
+    parent = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else None
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)  # orphaned while starting: nobody to compile for
     from adaptive_eager.compile_process import serve
 
-    serve()
+    serve(parent)
     try:
         sys.stdout.flush()
     except Exception:

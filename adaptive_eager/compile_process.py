@@ -113,7 +113,8 @@ def _apply_flags(flags: dict[str, Any]) -> None:
 
 # The helper's first lines, run by ``python -I -c``: adaptive_eager (only it) from the folder the
 # parent loaded it from, appended last so nothing there shadows the standard library.
-_BOOT = ("import sys, importlib.machinery as m, importlib.util as u\n"
+_BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+         "import sys, importlib.machinery as m, importlib.util as u\n"
          "s = m.PathFinder.find_spec('adaptive_eager', [sys.argv[1]])\n"
          "p = u.module_from_spec(s); sys.modules['adaptive_eager'] = p; s.loader.exec_module(p)\n"
          "from adaptive_eager.compile_helper import main\n"
@@ -122,7 +123,7 @@ _BOOT = ("import sys, importlib.machinery as m, importlib.util as u\n"
 
 def helper_command() -> list[str]:
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [sys.executable, "-I", "-c", _BOOT, package_root]
+    return [sys.executable, "-I", "-c", _BOOT, package_root, str(os.getpid())]
 
 
 class CompileProcess:
@@ -171,7 +172,7 @@ class CompileProcess:
         env["ADAPTIVE_EAGER"] = "0"  # the helper must not switch the engine on for itself
         self._proc = subprocess.Popen(
             helper_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-            env=env, close_fds=True)
+            env=env, close_fds=True, start_new_session=True)  # Ctrl-C is the parent's
         return self._proc
 
     def _give_up(self, why: str) -> None:
@@ -206,14 +207,18 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
-def serve() -> None:
+def serve(parent: int | None = None) -> None:
     """The helper's loop: requests on stdin, answers on the original stdout; returns (quietly)
-    when the parent closes the pipe or is gone."""
+    when the parent closes the pipe or is gone. ``parent``: the pid that started this helper
+    (it may have died while this one was still importing torch)."""
     import signal
 
     # Ctrl-C reaches the whole process group: the parent handles it and closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    parent = os.getppid() if parent is None else parent
+    if os.getppid() != parent:
+        return
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     if hasattr(os, "nice"):
         # The program comes first: on a busy machine the compile (and the C++ compilers it
         # starts, which inherit this) takes the CPU time the program leaves idle.

@@ -254,33 +254,50 @@ _ORPHAN = textwrap.dedent("""
     from adaptive_eager.compile_process import HELPER
     from adaptive_eager.metrics import METRICS
     x = torch.randn(32, 32)
-    with ae.adaptive_eager(hot_after=2, compile_async=True, disk_cache=False):
+    with ae.adaptive_eager(hot_after=2, compile_async=True, cache_dir=sys.argv[1]):
         for _ in range(4):
             ((x * 1.5).tanh() + x).sum().tolist()
         deadline = time.time() + 120
         while (HELPER._proc is None or METRICS.compiles_pending == 0) and time.time() < deadline:
             time.sleep(0.05)
         print(HELPER._proc.pid, flush=True)
-        time.sleep(1.0)  # the helper is compiling
+        kernels = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        while not any(files for _, _, files in os.walk(kernels)) and time.time() < deadline:
+            time.sleep(0.05)  # until the helper is writing kernels: mid-compile
         os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
-def test_orphaned_helper_exits_quietly(tmp_path: Path) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_orphaned_helper_exits_quietly(tmp_path: Path, cache_dir: Path) -> None:
+    """Helper half of finding 6: the parent is killed while the helper compiles."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to watch the helper")
     script = tmp_path / "orphan.py"
     script.write_text(_ORPHAN)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
-    # stderr ends when every holder closed it: the parent (killed) and the helper (exited).
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL, err[-3000:]
-    pid = int(out.split()[0])
-    for _ in range(100):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
+    err_path = tmp_path / "stderr.txt"
+    kernels = tmp_path / "kernels"  # watched: files appear there once the helper compiles
+    kernels.mkdir(mode=0o700)
+    with open(err_path, "w") as err_file:  # shared with the helper (and its compile workers)
+        proc = subprocess.run([sys.executable, str(script), str(cache_dir)],
+                              stdout=subprocess.PIPE, stderr=err_file, text=True,
+                              env=_env(TORCHINDUCTOR_CACHE_DIR=str(kernels)), cwd=tmp_path,
+                              timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err_path.read_text()[-3000:]
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 300  # hang detection only: a compile takes far less
+    while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert not _alive(pid), "the orphaned helper kept running"
+    time.sleep(0.5)
+    err = err_path.read_text()
     assert "Traceback" not in err and "BrokenPipeError" not in err, err[-3000:]
 
 
