@@ -622,7 +622,13 @@ class Engine:
         return False
 
     def run_inplace_view(self, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
-        """Metadata-changing in-place ops: run for real, then make the wrapper follow (trap 3)."""
+        """Metadata-changing in-place ops: run for real, then make the wrapper follow (trap 3).
+        ``detach_`` (under inference mode it reaches this mode) changes autograd metadata only:
+        it runs on the wrapper itself, with no flush."""
+        if spec.name == "aten.detach_.default":
+            M.ops_eager += 1
+            with _DisableDispatch(), _DisableFunction():
+                return op(*args, **kwargs)
         out = self.run_fallback(op, spec, args, kwargs, "inplace_view")
         target = args[0]
         if type(target) is LazyTensor:

@@ -391,3 +391,29 @@ def test_sdpa_with_dropout_still_draws_as_eager() -> None:
 
     expected, got = eager_and_engine(run, step_aside=False)
     assert_equal_tree(expected, got)
+
+
+def test_inference_mode_dropout_sdpa_detach_do_not_cut_the_trace() -> None:
+    """Under inference mode the composite ops reach the engine: ``dropout`` with train=False
+    (eager returns its input itself), ``scaled_dot_product_attention`` without dropout and
+    ``detach_`` (autograd metadata only) must neither flush nor change results."""
+    import torch.nn.functional as F
+
+    def run() -> list:
+        x = torch.randn(2, 4, 8, 8)
+        outs: list = []
+        with torch.inference_mode():
+            for _ in range(4):
+                h = x * 2
+                d = F.dropout(h, 0.3, training=False)
+                outs.append(d is h)
+                a = F.scaled_dot_product_attention(d, d + 1, d - 1, is_causal=True)
+                a.detach_()
+                outs.append(a * 1.0)
+        return to_plain(outs)
+
+    expected, got = eager_and_engine(run, step_aside=False)
+    assert_equal_tree(expected, got)
+    reasons = ae.metrics()["flush_reasons"]
+    assert not any(("dropout" in r or "scaled_dot" in r or "detach_" in r)
+                   and not r.startswith("new_op:") for r in reasons), reasons

@@ -65,7 +65,20 @@ class DeferMode(TorchDispatchMode):
                     return eng.run_view(func, spec, args, kwargs)
             if is_host_scalar_op(args):
                 return eng.run_host_scalar(func, spec, args, kwargs)
-            return defer(eng, func, spec, args, kwargs, None)
+            try:  # defer() inlined: the hot path pays no extra call
+                return eng.record(func, spec, args, kwargs)
+            except NeedRun as miss:
+                M.meta_misses += 1
+                return eng.run_eager(func, spec, args, kwargs, f"new_op:{spec.name}", miss.key)
+            except RunNow as why:
+                return eng.run_fallback(func, spec, args, kwargs, f"sync({why})")
+            except Unsupported as why:
+                return eng.run_fallback(func, spec, args, kwargs, f"unsupported({why})")
+            except Exception as err:
+                if is_user_error(err):
+                    raise
+                reason = eng.engine_error(err, spec)
+                return eng.run_fallback(func, spec, args, kwargs, reason)
         if policy == ALLOC or policy == PASSTHROUGH:
             M.ops_eager += 1
             with _DisableDispatch():  # metadata-only: wrappers can be passed as they are
@@ -73,6 +86,9 @@ class DeferMode(TorchDispatchMode):
         if policy == RANDOM:
             at = _DROPOUT_AT.get(spec)
             if at is not None and _no_dropout(at, args, kwargs):
+                if spec in _NOOP_DROPOUTS:  # eager returns its input itself
+                    M.ops_eager += 1
+                    return args[0]
                 return defer(eng, func, spec, args, kwargs, None)
             return eng.run_random(func, spec, args, kwargs)
         if policy == INPLACE_VIEW:
@@ -85,18 +101,32 @@ class DeferMode(TorchDispatchMode):
 
 
 # Note [attention without dropout]
-# Fused attention kernels are tagged nondeterministic_seeded for their dropout; with
-# dropout_p == 0 (eval, or a model without attention dropout) they draw nothing, so they are
-# deferred like any op instead of cutting the trace at every attention call. Position of
-# dropout_p in each schema:
+# Attention kernels are tagged nondeterministic_seeded for their dropout; with dropout_p == 0
+# (eval, or a model without attention dropout) they draw nothing, so they are deferred like any
+# op instead of cutting the trace at every attention call. Under inference mode the composite
+# ops reach the engine too: ``scaled_dot_product_attention`` (deferred the same way) and
+# ``dropout`` & co., which with p == 0 or train=False return their input itself (so does this).
+# Position of the probability in each schema (the dropouts' ``train`` follows it):
+_aten = torch.ops.aten
 _DROPOUT_AT: dict[Any, int] = {
-    spec_for(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default): 3,
+    spec_for(_aten._scaled_dot_product_flash_attention_for_cpu.default): 3,
+    spec_for(_aten.scaled_dot_product_attention.default): 4,
 }
+_NOOP_DROPOUTS = frozenset(spec_for(getattr(_aten, name).default) for name in (
+    "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout_",
+    "feature_dropout_", "alpha_dropout_", "feature_alpha_dropout_"))
+_DROPOUT_AT.update({spec: 1 for spec in _NOOP_DROPOUTS})
 
 
 def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:
-    p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
-    return p == 0.0 and type(p) is not bool
+    p = args[at] if len(args) > at else kwargs.get("dropout_p", kwargs.get("p", 0.0))
+    if type(p) is bool or not isinstance(p, (int, float)):
+        return False
+    if p == 0.0:
+        return True
+    if len(args) > at + 1 and at == 1:  # dropout(input, p, train)
+        return args[2] is False
+    return at == 1 and kwargs.get("train", True) is False
 
 
 def defer(eng: Engine, func: Any, spec: Any, args: tuple, kwargs: dict,
