@@ -97,6 +97,9 @@ def test_lstm_inference_then_training_keys_grad_mode() -> None:
 
 @pytest.mark.slow
 def test_lstm_fused_within_tolerance(cache_dir: Path) -> None:
+    """With the default backend. Today the fused program of the LSTM trace fails when it runs
+    (graph.py does not yet set the grad mode around mkldnn_rnn_layer: Note [grad-mode kernels])
+    and the engine runs that trace op by op (``fused_errors``): values must still match."""
     torch.manual_seed(0)
     expected = _lstm_steps(1, steps=6)
     torch.manual_seed(0)
