@@ -308,18 +308,38 @@ def _at_exit() -> None:
     dropped = WORKER.close()
     if not dropped:
         return
-    abandon = getattr(HELPER, "abandon", None)
-    if abandon is not None:
-        try:
-            abandon()
-        except Exception:
-            pass
+    _abandon_helper()
     n = len(dropped)
     try:
         sys.stderr.write(f"adaptive_eager: {n} compile{'s' if n != 1 else ''} still pending at "
                          f"exit dropped ({', '.join(dropped[:3])}{', ...' if n > 3 else ''}); "
-                         "the next run compiles them\n")
+                         "the next run compiles them at once (marked hot on disk)\n")
         sys.stderr.flush()
+    except Exception:
+        pass
+
+
+class _ExitQuiet(logging.Filter):
+    """At exit, the compile thread's view of the helper it lost is no news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "compile helper process failed" not in record.getMessage()
+
+
+def _abandon_helper() -> None:
+    """Kill a helper still compiling for us: its answer would come too late, and a daemon
+    thread blocked reading its pipe holds that file's lock, which interpreter finalization
+    then waits for (measured: 8 s after the last atexit hook, until the helper finished)."""
+    abandon = getattr(HELPER, "abandon", None)
+    try:
+        if abandon is not None:
+            abandon()
+            return
+        log.addFilter(_ExitQuiet())
+        proc = getattr(HELPER, "_proc", None)
+        HELPER.broken = "the program exited"
+        if proc is not None and proc.poll() is None:
+            proc.kill()
     except Exception:
         pass
 
@@ -535,6 +555,10 @@ class CompileManager:
                     fut.set_result(self._compile(g, entry))
         except Exception as err:
             fut.set_exception(err)
+        except BaseException:  # KeyboardInterrupt mid-compile: the trace may compile later
+            with STATE_LOCK:
+                entry.state = "new"
+            raise
         finally:
             self._finished(fut)
         with STATE_LOCK:

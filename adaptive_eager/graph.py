@@ -32,6 +32,42 @@ aten = torch.ops.aten
 _LERP_TENSOR = {aten.lerp_.Scalar: aten.lerp_.Tensor, aten.lerp.Scalar: aten.lerp.Tensor}
 
 
+# Fused optimizer kernels (``AdamW(fused=True)`` & co.) mutate lists of tensors in one op.
+# AOTAutograd's functionalization of the in-place op asserts ("mutating a non-functional tensor
+# with a functional tensor", torch 2.13, any inputs); their generated functional variants work.
+# So the graph calls the functional variant (an extern kernel: the same CPU kernel on copies)
+# and copies each result into the argument eager mutates, which functionalization applies to
+# the inputs in place.
+_FUSED_OPTIM = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"})
+
+
+def _functional_variant(op: Any) -> tuple[Any, list[int]] | None:
+    """(functional overload, positions of the mutated list arguments) for a fused optimizer op."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    name = op._schema.name.split("::")[-1]
+    if name not in _FUSED_OPTIM:
+        return None
+    packet = getattr(aten, name[:-1], None)
+    functional = getattr(packet, op._overloadname, None) if packet is not None else None
+    if functional is None:
+        return None
+    mutated = [i for i, a in enumerate(op._schema.arguments)
+               if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+    return functional, mutated
+
+
+def _call_functional(g: fx.Graph, functional: Any, mutated: list[int], cargs: tuple,
+                     ckw: dict) -> fx.Node:
+    node = g.call_function(functional, cargs, ckw)
+    for k, pos in enumerate(mutated):
+        outs = g.call_function(operator.getitem, (node, k))
+        for j, dst in enumerate(cargs[pos]):
+            g.call_function(aten.copy_.default,
+                            (dst, g.call_function(operator.getitem, (outs, j))))
+    return node
+
+
 class Unfusable(Exception):
     """The trace cannot become a fused program (it stays op by op)."""
 
@@ -238,8 +274,14 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
             weight = g.call_function(aten.scalar_tensor.default, (cargs[2],),
                                      {"dtype": _dtype_of(args[0], trace)})
             op, cargs = _LERP_TENSOR[op], (cargs[0], cargs[1], weight)
-        node = g.call_function(op, cargs, ckw)
-        _bind(slots, node, env, g)
+        variant = _functional_variant(op)
+        if variant is not None:
+            node = _call_functional(g, variant[0], variant[1], cargs, ckw)
+            if slots is not None:
+                raise Unfusable(f"{op} returns values")  # schema says it returns nothing
+        else:
+            node = g.call_function(op, cargs, ckw)
+            _bind(slots, node, env, g)
     if scalar_pos[0] != len(scalars):
         raise Unfusable("scalar bookkeeping mismatch")  # never expected: keys and graph disagree
     missing = [s for s in live if s not in env]
