@@ -64,6 +64,8 @@ class InductorBackend:
         """Import what loading a program needs (seconds in a fresh interpreter)."""
         from torch._inductor import compile_fx, standalone_compile  # noqa: F401
 
+        ensure_kernel_dir()  # codecache is imported now: point its header folder too
+
     def prepare(self, cache_dir: str) -> None:
         """Keep Inductor's kernels in ``<cache dir>/inductor`` (Note [Inductor kernel folder])."""
         use_kernel_dir(choose_kernel_dir(cache_dir))
