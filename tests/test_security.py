@@ -157,6 +157,7 @@ _KERNELS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a cold compile in a fresh kernel folder: a minute or two on 2 busy cores
 def test_inductor_kernels_live_in_the_private_cache_folder(tmp_path: Path, cache_dir: Path,
                                                            other_user: tuple[int, int]) -> None:
     """Finding 1: an optimizer imports torch._dynamo first (the variable then holds torch's
@@ -177,6 +178,27 @@ def test_inductor_kernels_live_in_the_private_cache_folder(tmp_path: Path, cache
     assert proc.stdout.strip().splitlines()[-1] == str(kernels)
     assert any(p.suffix in (".so", ".py", ".cpp") for p in kernels.rglob("*")), "no kernels"
     assert list(shared.iterdir()) == [], "kernels went to the shared folder"
+
+
+def test_torchs_default_written_back_is_not_the_users_choice(
+        cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 1, quick form: ``import torch._dynamo`` wrote torch's shared default into the
+    variable; the engine's own folder is used all the same."""
+    import torch._dynamo  # noqa: F401  (what creating an optimizer does)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from adaptive_eager.backends import inductor
+
+    monkeypatch.setattr(inductor, "_kernel_dir", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
+    disk = DiskCache.open(cache_dir, 1 << 30)
+    assert disk is not None
+    inductor.InductorBackend().prepare(str(disk.directory))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(disk.directory / "inductor")
+    from adaptive_eager.compile_process import _flags
+
+    assert _flags()["inductor_cache"] == str(disk.directory / "inductor")  # the helper's too
+    disk.close()
 
 
 def test_torchinductor_cache_dir_is_used_only_if_trusted(tmp_path: Path, cache_dir: Path,
@@ -467,9 +489,10 @@ def test_entry_written_without_the_secret_is_refused(tmp_path: Path, cache_dir: 
     b.close()
 
 
+@pytest.mark.slow  # two small compiles: ~1 min on 2 busy cores (the store-level tests are quick)
 def test_engine_over_a_planted_cache_gives_eager_results(cache_dir: Path, marker: Path) -> None:
     x = torch.randn(24, 10)
-    run_loop(x, cache_dir=cache_dir)
+    run_loop(x, cache_dir=cache_dir, compile_process=False)
     disk = DiskCache.open(cache_dir, 1 << 30)
     assert disk is not None
     keys = disk.keys()
@@ -479,7 +502,7 @@ def test_engine_over_a_planted_cache_gives_eager_results(cache_dir: Path, marker
         plant(disk, k, planted_pickle(marker), Planted(marker))
     disk.close()
     fresh_process()
-    m = run_loop(x, cache_dir=cache_dir)  # compares with eager at every step
+    m = run_loop(x, cache_dir=cache_dir, compile_process=False)  # compared with eager
     assert m["disk_errors"] >= 1 and m["disk_hits"] == 0 and m["fused_errors"] == 0
 
 
