@@ -63,6 +63,7 @@ _MAGIC = b"AEC2"
 _HEAD = struct.Struct("<I")
 _MAC_LEN = 32
 _RESCAN_S = 60.0
+_TOUCH_S = 600.0  # a use is recorded at most this often (each record is a committed write)
 _logged: set[str] = set()
 # Kernel folders that passed the trust rule in this process, writable (the backend uses them).
 KERNEL_DIRS_OK: set[str] = set()
@@ -324,7 +325,7 @@ class DiskCache:
     def _get(self, key: str, header_only: bool = False, touch: bool = False
              ) -> tuple[dict, bytes] | None:
         try:
-            rows = self._sql("SELECT value FROM entries WHERE key = ?", (key,))
+            rows = self._sql("SELECT value, accessed FROM entries WHERE key = ?", (key,))
         except Exception as err:  # sqlite errors and the like
             M.disk_errors += 1
             _warn_once(f"get:{type(err).__name__}", "adaptive_eager: disk cache read failed: %s",
@@ -337,8 +338,8 @@ class DiskCache:
         except BadEntry as err:
             self._bad(key, str(err))
             return None
-        if touch and not self.read_only:
-            try:  # least recently used eviction needs the time of last use
+        if touch and not self.read_only and time.time() - rows[0][1] > _TOUCH_S:
+            try:  # least recently used eviction needs the time of last use (roughly: a write)
                 self._sql("UPDATE entries SET accessed = ? WHERE key = ?", (time.time(), key))
             except Exception:
                 pass
