@@ -68,6 +68,32 @@ def _call_functional(g: fx.Graph, functional: Any, mutated: list[int], cargs: tu
     return node
 
 
+# Conjugate and negative views (a bit on the tensor, no copy). Inductor compiles an internal
+# ``_conj`` view as if the bit were not there: ``x * c + x.conj()`` came back with the imaginary
+# part's sign flipped. Internal ones become their physical ops (same values, a new tensor);
+# traces that return such a view, write through one, or take one as input stay op by op.
+_BIT_VIEWS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default}
+
+
+def _bit_view_slots(trace: Trace, live: list[int]) -> set[int]:
+    """Outputs of conj/neg views that may become physical ops (raises Unfusable otherwise)."""
+    views: set[int] = set()
+    for op, args, kwargs, slots in trace.ops:
+        if op in _BIT_VIEWS:
+            if type(slots) is not int:
+                raise Unfusable(f"{op} with outputs {slots}")
+            views.add(slots)
+            continue
+        if views and isinstance(op, torch._ops.OpOverload):
+            for a, arg in zip(op._schema.arguments, args):
+                if (type(arg) is Slot and arg.i in views and a.alias_info is not None
+                        and a.alias_info.is_write):
+                    raise Unfusable("a write through a conjugate or negative view")
+    if views & set(live):
+        raise Unfusable("the trace returns a conjugate or negative view")
+    return views
+
+
 class Unfusable(Exception):
     """The trace cannot become a fused program (it stays op by op)."""
 
@@ -247,6 +273,9 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
     lifted to inputs."""
     g = fx.Graph()
     reals = ext_reals(trace)
+    if any(t.is_conj() or t.is_neg() for t in reals):
+        raise Unfusable("an input is a conjugate or negative view")
+    _bit_view_slots(trace, live)
     scalars = trace.scalars
     lifted = tuple(i for i in range(len(scalars)) if i in varying)
     groups, plan, bases = _tensor_placeholders(g, reals)
@@ -274,6 +303,7 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
             weight = g.call_function(aten.scalar_tensor.default, (cargs[2],),
                                      {"dtype": _dtype_of(args[0], trace)})
             op, cargs = _LERP_TENSOR[op], (cargs[0], cargs[1], weight)
+        op = _BIT_VIEWS.get(op, op)
         variant = _functional_variant(op)
         if variant is not None:
             node = _call_functional(g, variant[0], variant[1], cargs, ckw)

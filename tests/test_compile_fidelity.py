@@ -643,3 +643,55 @@ def test_warm_process_remeasures_a_stored_decision_it_disagrees_with(
     m = ae.metrics()
     assert m["disk_hits"] >= 1 and m["compiled_runs"] >= 1, m
     assert len(_stats(cache_dir)["samples"]) >= 1
+
+
+# ---- complex tensors --------------------------------------------------------------------------
+def test_complex_trace_with_conj_view_fuses_and_matches_eager(cache_dir: Path) -> None:
+    """Inductor compiled an internal ``_conj`` view as if its bit were not set (imaginary parts'
+    sign flipped, silently); the graph uses ``conj_physical`` for it."""
+    x = torch.randn(64, dtype=torch.complex64)
+
+    def f() -> torch.Tensor:
+        return (x * (1 + 2j) + (x * 2).conj()).exp() * 0.5
+
+    with ae.adaptive_eager(hot_after=2, step_aside=False, compile_async=False,
+                           compile_process=False, cache_dir=cache_dir):
+        ys = []
+        for _ in range(6):
+            ys.append(f())
+            ae.sync()
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 1 and m["fused_errors"] == 0, m
+    for y in ys:
+        _close(y, f())
+
+
+def test_conj_view_input_stays_op_by_op_bitwise(cache_dir: Path, fxgraph: GraphBackend) -> None:
+    """A conjugate view of a real tensor enters the trace as an input with its bit set: such
+    traces are not fused (see graph._BIT_VIEWS), and replay matches eager bitwise."""
+    x = torch.randn(64, dtype=torch.complex64)
+    outs = []
+    with ae.adaptive_eager(backend="fxgraph", hot_after=2, step_aside=False,
+                           compile_async=False, cache_dir=cache_dir):
+        for _ in range(6):
+            outs.append((x * (1 + 2j) + x.conj()).exp() * 0.5)
+            ae.sync()
+    assert ae.metrics()["compiled_runs"] == 0 and ae.metrics()["engine_errors"] == 0
+    for y in outs:
+        assert torch.equal(y, (x * (1 + 2j) + x.conj()).exp() * 0.5)
+
+
+def test_varying_complex_scalar_stays_op_by_op_bitwise(cache_dir: Path,
+                                                       fxgraph: GraphBackend) -> None:
+    """A Python complex that changes between runs cannot be a program input (no symbolic
+    complex scalars in torch.compile): such a trace runs op by op, bitwise equal to eager."""
+    x = torch.randn(64, dtype=torch.complex64)
+    outs = []
+    with ae.adaptive_eager(backend="fxgraph", hot_after=2, step_aside=False,
+                           compile_async=False, cache_dir=cache_dir):
+        for i in range(6):
+            outs.append((x * complex(1, i) + x.conj()).exp() * 0.5)
+            ae.sync()
+    assert ae.metrics()["compiled_runs"] == 0 and ae.metrics()["engine_errors"] == 0
+    for i, y in enumerate(outs):
+        assert torch.equal(y, (x * complex(1, i) + x.conj()).exp() * 0.5)
