@@ -380,6 +380,7 @@ class CompileManager:
         self.in_flight: list[concurrent.futures.Future] = []
         self._stored_fused: dict[str, float] = {}  # digest -> fused s of a stored op-by-op
         self._remeasure: set[str] = set()  # digests whose stored op-by-op is being re-measured
+        self._here: set[str] = set()  # digests the helper could not take: compiled here
         if options.disk_cache and self.backend.compiles:
             self.disk = DiskCache.open(resolve_cache_dir(options),
                                        options.cache_size_mb * 1024 * 1024)
@@ -520,7 +521,8 @@ class CompileManager:
 
     def _use_helper(self, entry: TraceEntry) -> bool:
         return (self.options.compile_process and getattr(self.backend, "separate_process", False)
-                and not entry.in_process and HELPER.broken is None)
+                and not entry.in_process and HELPER.broken is None
+                and entry.digest not in self._here)
 
     def _start(self, entry: TraceEntry, work: Any, *args: Any, label: str = "") -> None:
         """Run a helper compile or a load in the worker thread (now, with compile_async off)."""
@@ -586,8 +588,9 @@ class CompileManager:
         start = time.perf_counter()
         try:
             data, _ = HELPER.compile(self.backend, g)
-        except HelperFailed:
-            return COMPILE_HERE  # counted and logged once by the helper's client
+        except HelperFailed:  # counted and logged once by the helper's client
+            self._here.add(entry.digest)  # this request only, perhaps: never ask again for it
+            return COMPILE_HERE
         seconds = time.perf_counter() - start
         M.compiles += 1  # counted here: a process may end before a flush picks the program up
         M.compile_seconds += seconds
