@@ -3,14 +3,15 @@
 Note [adaptive decisions]
 Each trace entry moves through states:
   new        runs op by op; its replay time and which Python numbers vary are observed.
-  compiling  seen ``hot_after`` times: compiled in a background thread (or at once with
-             compile_async off) while the program keeps running op by op.
+  compiling  seen ``hot_after`` times: compiled in the helper process while the program keeps
+             running op by op, or at that flush in this process (Note [in-process compiles]).
   measuring  program ready (compiled, or loaded from the disk cache): the next runs use it and
              are timed; the first (warm-up) call is not counted.
   fused      measured faster than op-by-op replay, recording overhead included: kept.
   replay     not faster: the program is dropped and the trace never compiles again here (the
              decision is stored on disk, so later processes do not compile it either).
-  failed     the compiler or the program raised: op by op from now on, counted, logged once.
+  failed     the compiler or the program raised: op by op from now on, counted, logged once;
+             later processes retry transient failures (Note [persisted decisions]).
   quarantined the crosscheck found the fused result differs from op-by-op replay.
 A program is used only for runs whose live slots it returns and whose baked-in numbers still hold.
 
@@ -59,7 +60,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import errno
 import logging
 import os
 import random

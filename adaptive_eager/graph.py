@@ -72,7 +72,8 @@ def _call_functional(g: fx.Graph, functional: Any, mutated: list[int], cargs: tu
 # ``_conj`` view as if the bit were not there: ``x * c + x.conj()`` came back with the imaginary
 # part's sign flipped. Internal ones become their physical ops (same values, a new tensor);
 # traces that return such a view, write through one, or take one as input stay op by op.
-_BIT_VIEWS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default}
+_BIT_VIEWS = {aten._conj.default: aten.conj_physical.default,
+              aten._neg_view.default: aten.neg.default}
 
 
 def _bit_view_slots(trace: Trace, live: list[int]) -> set[int]:
