@@ -8,7 +8,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from adaptive_eager import config
+from adaptive_eager import config, logs, workers
 from adaptive_eager.aside import Presence
 from adaptive_eager.calibrate import calibrate
 from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
@@ -50,8 +50,9 @@ class EngineContext:
         st = _state
         outer = st.engine is None
         if outer:
-            logging.getLogger("adaptive_eager").setLevel(self.options.log_level)
+            logs.configure(self.options.log_level)
             install_parameter_patch()
+            workers.install()
             install_feature_hooks()
             if self.options.step_aside:
                 calibrate()
