@@ -129,6 +129,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("probe_every", "ADAPTIVE_EAGER_PROBE_EVERY", _int_in(0, 1_000_000_000), 2000,
             "After stepping aside, re-enter to measure again after this many optimizer steps "
             "(0: never)."),
+    Setting("workers", "ADAPTIVE_EAGER_WORKERS", _parse_bool, False,
+            "Keep the engine in DataLoader worker processes (default: workers run plain "
+            "eager, Note [worker processes])."),
 )
 
 # The on/off switch for unmodified scripts (read by the torch.backends entry point).
@@ -155,6 +158,7 @@ class Options:
     step_aside: bool = True
     step_flush: bool = True
     probe_every: int = 2000
+    workers: bool = False
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,

@@ -23,9 +23,17 @@ _ORIGINAL: Any = None  # DataLoader's own worker loop
 IN_WORKER = False  # set in a DataLoader worker that left the engine
 
 
-def workers_keep_engine() -> bool:
-    return os.environ.get("ADAPTIVE_EAGER_WORKERS", "").strip().lower() in ("1", "true", "on",
-                                                                            "yes")
+def workers_keep_engine(engine: Any) -> bool:
+    """The inherited engine's option, or (a spawned worker, no engine yet) the variable."""
+    if engine is not None:
+        return bool(engine.options.workers)
+    from adaptive_eager import config
+
+    setting = next(s for s in config.SETTINGS if s.name == "workers")
+    try:
+        return bool(setting.parse(setting.env, os.environ.get(setting.env, "0")))
+    except config.ConfigError:
+        return False
 
 
 def install() -> None:
@@ -71,12 +79,12 @@ def leave_engine() -> None:
     """In a worker process: switch the inherited engine off, without running anything (the
     parent flushed before the fork; a spawned child has only what the autoload started)."""
     global IN_WORKER
-    if workers_keep_engine():
-        return
-    IN_WORKER = True
     from adaptive_eager import api
 
     st = api._state
+    if workers_keep_engine(st.engine):
+        return
+    IN_WORKER = True
     if st.presence is not None:
         st.presence.close()
     st.engine, st.presence, st.enabled_ctx, st.depth = None, None, None, 0
