@@ -78,6 +78,9 @@ class Trace:
             if type(t) is LazyTensor:
                 meta = t._ae_meta
                 real = t._ae_real
+                owner = t._ae_trace.engine
+                if owner is not self.engine:  # another thread's value: its owner must keep
+                    owner.shared = True       # the object a lazy tensor (Note [threads ...])
             else:
                 if type(t) not in _PLAIN:
                     raise Unsupported(f"tensor subclass {type(t).__name__}")

@@ -172,10 +172,15 @@ def become_real(w: LazyTensor, real: torch.Tensor) -> None:
 def materialize(t: LazyTensor) -> torch.Tensor:
     """The real value of a lazy tensor, flushing its trace if it has not run yet (from any
     thread: Note [threads and lazy tensors] in engine.py)."""
-    eng = t._ae_trace.engine
+    trace = getattr(t, "_ae_trace", None)
+    if trace is None:  # it became a plain tensor meanwhile (its owner thread's publish)
+        return t
+    eng = trace.engine
     if eng.owner != _get_ident():  # another thread: under the owner's lock, never mid-flush
         with eng.lock:
-            eng.shared = True
+            eng.shared = True  # from now on its owner swaps no impls (Note [threads ...])
+            if type(t) is not LazyTensor:  # swapped before this thread took the lock
+                return t
             return _materialize(t)
     return _materialize(t)
 
