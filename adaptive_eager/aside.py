@@ -50,6 +50,44 @@ TRIAL_TICKS = 8  # rounds timed each way in a trial
 TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
 
 
+class _StepHook:
+    """One optimizer step hook for the whole process, registered once and never removed.
+
+    torch runs the global step hooks while iterating their OrderedDict; registering or removing
+    one from another thread meanwhile (two threads, two engines: one entering or leaving while
+    the other's step runs its hook, which flushes and so lets the other thread run) raised
+    "OrderedDict mutated during iteration" in the stepping thread. Each thread's Presence is
+    looked up here instead (one dict lookup per optimizer step)."""
+
+    _by_thread: dict[int, Any] = {}
+    _registered = False
+    _lock = threading.Lock()
+
+    def __init__(self, thread: int, presence: Any) -> None:
+        self.thread, self.presence = thread, presence
+
+    @classmethod
+    def add(cls, presence: Any) -> _StepHook:
+        with cls._lock:
+            if not cls._registered:
+                register_optimizer_step_post_hook(cls._dispatch)
+                cls._registered = True
+            handle = cls(presence.thread, presence)
+            cls._by_thread[presence.thread] = presence
+            return handle
+
+    @classmethod
+    def _dispatch(cls, *args: Any) -> None:
+        presence = cls._by_thread.get(threading.get_ident())
+        if presence is not None:
+            presence._after_step(*args)
+
+    def remove(self) -> None:
+        with _StepHook._lock:
+            if _StepHook._by_thread.get(self.thread) is self.presence:
+                del _StepHook._by_thread[self.thread]
+
+
 class Presence:
     """Pushes and pops one engine's modes on its own thread."""
 
@@ -81,7 +119,7 @@ class Presence:
             self.active = True
             opts = self.engine.options
             if (opts.step_flush or opts.step_aside) and self._step_hook is None:
-                self._step_hook = register_optimizer_step_post_hook(self._after_step)
+                self._step_hook = _StepHook.add(self)
             if opts.step_aside and self.ticks_from != "step":
                 self._install_tick_hooks()  # rounds of programs without an optimizer
 
@@ -241,7 +279,7 @@ class Presence:
         if not self._hooks:
             self._hooks = [register_module_forward_hook(self._after_forward)]
             if self._step_hook is None:
-                self._step_hook = register_optimizer_step_post_hook(self._after_step)
+                self._step_hook = _StepHook.add(self)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

@@ -371,7 +371,7 @@ def test_two_threads_two_engines_inductor(tmp_path: Path) -> None:
             with ae.adaptive_eager(hot_after=2, step_aside=False, cache_dir=tmp_path / str(seed)):
                 got[seed] = _train(seed, steps)
         except Exception as err:
-            errors.append(f"{type(err).__name__}: {err}")
+            errors.append(__import__("traceback").format_exc())
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
     for t in threads:
