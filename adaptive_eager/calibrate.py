@@ -15,6 +15,7 @@ import torch
 from adaptive_eager import compiler
 from adaptive_eager.cache.memory import TRIE
 from adaptive_eager.config import Options
+from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
 
 _N = 200
@@ -36,6 +37,11 @@ def calibrate() -> None:
     _done = True
     saved = {k: getattr(METRICS, k) for k in METRICS.__slots__}
     saved = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in saved.items()}
+    # The calibration's traces are the engine's, not the user's: their misses (attributed to
+    # whatever frame started the engine, e.g. adaptive_eager_autoload.py) must not reach the run
+    # log, as its counts must not reach the metrics. Restored, like METRICS, afterwards.
+    saved_misses = {k: {**v, "values": list(v["values"]), "traces": list(v["traces"])}
+                    for k, v in RUN_LOG.misses.items()}
     had_root = torch.float64 in TRIE.roots
     n_entries = len(TRIE.entry_list)
     old_dtype = torch.get_default_dtype()
@@ -50,6 +56,7 @@ def calibrate() -> None:
         torch.set_default_dtype(old_dtype)
         for k, v in saved.items():
             setattr(METRICS, k, v)
+        RUN_LOG.misses = saved_misses
         if not had_root:
             TRIE.roots.pop(torch.float64, None)
         del TRIE.entry_list[n_entries:]

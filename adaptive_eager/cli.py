@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import sys
 import tarfile
@@ -92,8 +93,11 @@ def cmd_cache(ns: argparse.Namespace) -> int:
             print(f"{disk.directory}: " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
                   + f"; {disk.measure() / (1 << 20):.1f} MiB")
         elif ns.action == "clear":
+            from adaptive_eager.events import clear_runs
+
             n = disk.clear()
-            print(f"removed {n} entries from {disk.directory}")
+            runs = clear_runs(disk.directory)  # else `report` still lists runs of a cleared cache
+            print(f"removed {n} entries and {runs} run logs from {disk.directory}")
         elif ns.action == "prune":
             if ns.max_size is None:
                 print("adaptive-eager: cache prune needs --max-size", file=sys.stderr)
@@ -203,10 +207,28 @@ def main(argv: list[str] | None = None, default_command: str | None = None) -> i
         args = [default_command, *args]
     ns = build_parser().parse_args(args)
     try:
-        return int(ns.fn(ns) or 0)
+        rc = int(ns.fn(ns) or 0)
+        if ns.fn is not cmd_run:
+            sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
+        return rc
     except config.ConfigError as err:
         print(f"adaptive-eager: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if ns.fn is cmd_run:  # the user's script's own pipe: its error, not ours
+            raise
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """`report | head`: the reader left. Exit quietly as a Unix tool does (Python docs, "Note on
+    SIGPIPE"): point stdout at devnull so the flush at exit does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ MAX_MISS_GROUPS = 500
 MAX_TRACES = 200
 MAX_OPS_LISTED = 400
 KEEP_RUNS = 50
+MAX_ARGV_CHARS = 2000
 _RUN_FILE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}\.jsonl$")
 
 
@@ -55,7 +56,7 @@ class RunLog:
     def records(self, entries: list, metrics: dict) -> list[dict]:
         out: list[dict] = [{
             "type": "run", "run_id": self.run_id, "start": self.start, "end": time.time(),
-            "argv": sys.argv[:8], "pid": os.getpid(), "metrics": metrics,
+            "argv": bounded_argv(sys.argv), "pid": os.getpid(), "metrics": metrics,
         }]
         top = sorted(entries, key=lambda e: e.runs * max(e.n_ops, 1), reverse=True)[:MAX_TRACES]
         for e in top:
@@ -90,6 +91,21 @@ class RunLog:
             return None
 
 
+def bounded_argv(argv: list[str], limit: int = MAX_ARGV_CHARS) -> list[str]:
+    """The whole command line, cut at ``limit`` characters (with an ellipsis) so a huge argv
+    cannot bloat the log."""
+    out: list[str] = []
+    used = 0
+    for arg in argv:
+        arg = str(arg)
+        if used + len(arg) > limit:
+            out.append(arg[:max(limit - used, 0)] + "...")
+            break
+        out.append(arg)
+        used += len(arg) + 1
+    return out
+
+
 def _by_age(folder: Path) -> list[Path]:
     """This user's plain run files, oldest first; links, foreign files and files another
     process deletes meanwhile are left out."""
@@ -119,6 +135,22 @@ def _prune(runs: Path) -> None:
             old.unlink()  # a plain file (lstat above); unlink never follows a link anyway
         except OSError:
             pass
+
+
+def clear_runs(directory: Path) -> int:
+    """Delete the run logs under ``directory``; only this user's plain files by the names this
+    module made (``_by_age``), in a ``runs`` folder that passes the trust rule. Returns how many."""
+    folder = _runs_folder(directory)
+    if folder is None:
+        return 0
+    n = 0
+    for path in _by_age(folder):
+        try:
+            path.unlink()  # lstat'ed as a plain file; unlink never follows a link
+            n += 1
+        except OSError:
+            pass
+    return n
 
 
 def _runs_folder(directory: Path) -> Path | None:

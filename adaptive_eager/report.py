@@ -53,9 +53,25 @@ def summarize_run(records: list[dict]) -> dict:
     }
 
 
+_LOADED = "(loaded)"
+
+
+def decision_text(decision: str | None) -> str:
+    """The decision as a reader should see it. The compiler marks a program taken from the disk
+    cache by appending " (loaded)" to the stored decision, which may be empty (an earlier run
+    compiled it but never measured it): that is shown as words, not as a bare " (loaded)"."""
+    text = (decision or "").strip()
+    if text.endswith(_LOADED):
+        base = text[:-len(_LOADED)].strip().rstrip(";,").strip()
+        return (f"{base} (program loaded from the disk cache)" if base
+                else "program loaded from the disk cache, not measured yet")
+    return text
+
+
 def _trace_row(t: dict) -> dict:
     row = {k: t.get(k) for k in ("trace", "runs", "hits", "n_ops", "state", "decision",
                                  "replay_ms", "fused_ms", "compile_s", "fused_runs")}
+    row["decision"] = decision_text(row["decision"])
     if row["state"] == "compiling":  # the log is written at exit: that compile never finished
         row["state"] = "compiling when the run ended"
     return row

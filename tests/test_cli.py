@@ -179,3 +179,85 @@ def test_every_variable_is_documented_in_the_readme() -> None:
     for setting in config.SETTINGS:
         assert setting.env in readme, setting.env
     assert config.ENABLE_ENV in readme
+
+
+_CALIBRATED = textwrap.dedent("""
+    import torch
+    x = torch.ones(3)
+    for i in range(3):
+        y = (x * 2 + 1).sum()
+    print(y.item())
+""")
+
+
+def test_calibration_traces_are_not_the_users_misses(tmp_path: Path, cache_dir: Path) -> None:
+    # step_aside on (the default) makes the engine calibrate itself at start, under the engine
+    script = tmp_path / "tiny.py"
+    script.write_text(_CALIBRATED)
+    _python([str(script)], _env(cache_dir, ADAPTIVE_EAGER="1", ADAPTIVE_EAGER_STEP_ASIDE="1"),
+            tmp_path)
+    run = _report(cache_dir, "--last")["runs"][0]
+    # one trace, seen for the first time once: before the fix the report said "1 misses" but
+    # "3x at an op or shape seen for the first time", two of them at adaptive_eager_autoload.py
+    assert run["trace_misses"] == 1 and run["first_sight_misses"] == 1, run
+    log = next((cache_dir / "runs").glob("*.jsonl")).read_text().splitlines()
+    wheres = {json.loads(line).get("where") for line in log} - {None}
+    assert wheres == {f"{script}:3 (<module>)"}, wheres
+
+
+def test_the_whole_command_line_is_logged_bounded(tmp_path: Path, cache_dir: Path) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(_CALIBRATED)
+    args = [f"--arg{i}=v{i}" for i in range(12)]
+    _python([str(script), *args], _env(cache_dir, ADAPTIVE_EAGER="1"), tmp_path)
+    assert _report(cache_dir, "--last")["runs"][0]["argv"] == [str(script), *args]
+    from adaptive_eager.events import MAX_ARGV_CHARS, bounded_argv
+
+    long = bounded_argv(["train.py", "x" * 5000, "never"])
+    assert long[0] == "train.py" and long[1].endswith("...") and len(long) == 2
+    assert sum(len(a) for a in long) <= MAX_ARGV_CHARS + 3
+
+
+@pytest.mark.parametrize("command", ["report", "explain"])
+def test_report_and_explain_into_a_closed_pipe_exit_quietly(tmp_path: Path, cache_dir: Path,
+                                                            command: str) -> None:
+    script = tmp_path / "vary.py"
+    script.write_text(_VARYING)
+    _python([str(script), "shape"], _env(cache_dir, ADAPTIVE_EAGER="1"), tmp_path)
+    args = ["report"] if command == "report" else [
+        "explain", _report(cache_dir)["runs"][0]["traces"][0]["trace"][:10]]
+    # as `adaptive-eager report | head -1` when head has already left: the reader end is closed
+    # before the command writes anything, so its first write meets a broken pipe
+    proc = subprocess.Popen([sys.executable, "-m", "adaptive_eager.cli", *args, "--cache-dir",
+                             str(cache_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    # and with a real `head -1` reading the first line
+    shell = subprocess.run(f"{sys.executable} -m adaptive_eager.cli {' '.join(args)} "
+                           f"--cache-dir {cache_dir} | head -1", shell=True, capture_output=True,
+                           text=True, timeout=120)
+    assert shell.stdout.strip() and "Traceback" not in shell.stderr, shell.stderr
+
+
+def test_cache_clear_removes_the_run_logs_but_nothing_else(tmp_path: Path, cache_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(_CALIBRATED)
+    for _ in range(2):
+        _python([str(script)], _env(cache_dir, ADAPTIVE_EAGER="1"), tmp_path)
+    runs = cache_dir / "runs"
+    assert len(_report(cache_dir)["runs"]) == 2
+    keep = runs / "notes.txt"  # not a name the engine makes
+    keep.write_text("mine")
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("{}")
+    link = runs / "20990101-000000-abcdef.jsonl"  # a run-log name, but a link: never followed
+    link.symlink_to(outside)
+    assert cli.main(["cache", "clear", "--cache-dir", str(cache_dir)]) == 0
+    assert "and 2 run logs" in capsys.readouterr().out
+    assert _report(cache_dir)["runs"] == []
+    assert keep.read_text() == "mine" and outside.read_text() == "{}" and link.is_symlink()

@@ -33,3 +33,18 @@ def test_faults_and_compiles_cut_off_by_the_end_of_the_run_are_shown() -> None:
     assert summary["traces"][0]["state"] == "compiling when the run ended"
     clean = "\n".join(_format_run(summarize_run(_run({"trace_hits": 1}, []))))
     assert "faults" not in clean and "left a known trace never" in clean
+
+
+def test_a_loaded_program_s_decision_reads_as_words() -> None:
+    from adaptive_eager.report import decision_text
+
+    # compiler._from_disk appends " (loaded)" to the stored decision, which may be empty
+    assert decision_text(" (loaded)") == "program loaded from the disk cache, not measured yet"
+    assert decision_text("fused: 1.000 ms vs op-by-op 2.000 ms (loaded)") == (
+        "fused: 1.000 ms vs op-by-op 2.000 ms (program loaded from the disk cache)")
+    assert decision_text("") == "" and decision_text(None) == ""
+    rec = _run({"trace_hits": 3}, [], [{"trace": "abc", "runs": 4, "hits": 3, "n_ops": 9,
+                                        "state": "measuring", "decision": " (loaded)",
+                                        "replay_ms": 2.0, "fused_ms": 1.0, "fused_runs": 3}])
+    text = "\n".join(_format_run(summarize_run(rec)))
+    assert "not measured yet" in text and " (loaded)" not in text
