@@ -90,6 +90,8 @@ log = logging.getLogger("adaptive_eager")
 ENGINE_VERSION = "0.1.0"
 MEASURE_RUNS = 3  # timed fused runs before deciding
 MIN_OPS = 2  # a one-op trace has nothing to fuse
+MIN_OBSERVED = 2  # runs whose Python numbers were compared before a trace compiles
+MAX_REBAKES = 2  # recompiles of one trace because a baked-in number changed
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
 RECORD_S = 6e-6  # recording cost per op over eager's; measured at start (calibrate.py)
 REPLAY_EXTRA_S = 3e-6  # op-by-op replay's cost per op over eager's; measured at start too
@@ -322,27 +324,12 @@ def _at_exit() -> None:
         pass
 
 
-class _ExitQuiet(logging.Filter):
-    """At exit, the compile thread's view of the helper it lost is no news."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "compile helper process failed" not in record.getMessage()
-
-
 def _abandon_helper() -> None:
     """Kill a helper still compiling for us: its answer would come too late, and a daemon
     thread blocked reading its pipe holds that file's lock, which interpreter finalization
     then waits for (measured: 8 s after the last atexit hook, until the helper finished)."""
-    abandon = getattr(HELPER, "abandon", None)
     try:
-        if abandon is not None:
-            abandon()
-            return
-        log.addFilter(_ExitQuiet())
-        proc = getattr(HELPER, "_proc", None)
-        HELPER.broken = "the program exited"
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        HELPER.abandon()
     except Exception:
         pass
 
@@ -417,6 +404,7 @@ class CompileManager:
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
         """Note which Python numbers changed since the entry's first run."""
         with STATE_LOCK:
+            entry.observed += 1
             if entry.scalar_ref is None:
                 entry.scalar_ref = list(trace.scalars)
                 return
@@ -469,8 +457,10 @@ class CompileManager:
                 state = entry.state
             if state in ("measuring", "fused"):
                 g = entry.graph
-                if set(live) <= entry.program_live and g.scalars_hold(trace.scalars):
-                    return entry.program
+                if set(live) <= entry.program_live:
+                    if g.scalars_hold(trace.scalars):
+                        return entry.program
+                    self._rebake(entry, g, trace.scalars)
                 return None
             if state == "new" and local is None:
                 local = self._maybe_start(entry, trace, live)
@@ -488,6 +478,26 @@ class CompileManager:
                     return entry.program
         return None
 
+    def _rebake(self, entry: TraceEntry, g: graph_mod.TraceGraph, scalars: list[Any]) -> None:
+        """A number compiled in as a constant changed: it varies after all. Mark it and compile
+        the trace again with it as an input (at most MAX_REBAKES times; after that the trace
+        stays op by op whenever its numbers differ from the program's)."""
+        if entry.rebakes >= MAX_REBAKES:
+            return
+        changed = {i for i, v in zip(g.baked, g.baked_values)
+                   if type(scalars[i]) is not type(v) or scalars[i] != v}
+        if not changed:
+            return
+        entry.rebakes += 1
+        entry.varying |= changed
+        entry.program = None
+        entry.graph = None
+        entry.fused_s.clear()
+        entry.fused_runs = 0
+        entry.state = "new"  # the next flush compiles it again, with these numbers as inputs
+        log.info("adaptive_eager: trace %s: Python numbers at %s changed after its compile; "
+                 "compiling it again with them as inputs", entry.digest[:12], sorted(changed))
+
     def _maybe_start(self, entry: TraceEntry, trace: Trace, live: list[int]) -> tuple | None:
         if entry.n_ops < MIN_OPS or WORKER.closed:
             return None
@@ -495,7 +505,10 @@ class CompileManager:
             entry.disk_checked = True
             if self._from_disk(entry, trace, live):
                 return None
-        hot = entry.runs >= self.options.hot_after or entry.was_hot
+        # Runs counted by a backend that never compiles (another engine's replay backend) saw
+        # no numbers compared: a trace hot from those alone would bake in every number.
+        seen = entry.observed >= min(self.options.hot_after, MIN_OBSERVED)
+        hot = (entry.runs >= self.options.hot_after and seen) or entry.was_hot
         if hot and entry.state == "new":
             return self._submit(entry, trace, live)
         return None

@@ -695,3 +695,49 @@ def test_varying_complex_scalar_stays_op_by_op_bitwise(cache_dir: Path,
     assert ae.metrics()["compiled_runs"] == 0 and ae.metrics()["engine_errors"] == 0
     for i, y in enumerate(outs):
         assert torch.equal(y, (x * complex(1, i) + x.conj()).exp() * 0.5)
+
+
+def _scaled_loop(scales: list[float]) -> list[torch.Tensor]:
+    """One short trace per step whose Python number is ``scales[i]`` (keyed by type only)."""
+    x = torch.linspace(-1.0, 1.0, 64)
+    out = []
+    for s in scales:
+        y = ((x * s).sin() + 1.0).sum()
+        out.append(y.detach().clone())
+        ae.sync()
+    return out
+
+
+def test_trace_hot_under_a_replay_engine_still_lifts_its_varying_numbers(
+        cache_dir: Path, fxgraph: GraphBackend) -> None:
+    """Runs counted by an engine that never compiles compared no numbers: the first compiling
+    engine must watch them before it compiles, or it bakes in a number that changes every step
+    and the program is never usable (the demo's AdamW trace: 0 fused steps)."""
+    scales = [0.5 + 0.1 * i for i in range(12)]
+    expected = [((torch.linspace(-1.0, 1.0, 64) * s).sin() + 1.0).sum() for s in scales]
+    with ae.adaptive_eager(backend="replay", cache_dir=cache_dir):
+        _scaled_loop(scales)
+    with ae.adaptive_eager(backend="fxgraph", hot_after=3, step_aside=False,
+                           compile_async=False, cache_dir=cache_dir):
+        got = _scaled_loop(scales)
+    # used: its warm-up and measured runs (the decision after them may keep op by op)
+    assert ae.metrics()["compiled_runs"] >= 4, ae.metrics()
+    assert fxgraph.compiled == 1
+    for g, e in zip(got, expected):
+        _close(g, e)
+
+
+def test_number_that_changes_after_the_compile_is_lifted_by_a_recompile(
+        cache_dir: Path, fxgraph: GraphBackend) -> None:
+    """A number constant over the runs before the compile, changing later (a learning-rate
+    schedule's first change): the program is compiled again with it as an input."""
+    scales = [0.5] * 3 + [0.5 + 0.1 * i for i in range(10)]
+    expected = [((torch.linspace(-1.0, 1.0, 64) * s).sin() + 1.0).sum() for s in scales]
+    with ae.adaptive_eager(backend="fxgraph", hot_after=2, step_aside=False,
+                           compile_async=False, cache_dir=cache_dir):
+        got = _scaled_loop(scales)
+    m = ae.metrics()
+    assert fxgraph.compiled == 2, fxgraph.compiled  # once baked, once with the number lifted
+    assert m["compiled_runs"] >= 4, m  # the second program serves the changing numbers
+    for g, e in zip(got, expected):
+        _close(g, e)

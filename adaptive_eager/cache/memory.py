@@ -44,7 +44,7 @@ class TraceEntry:
     __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
                  "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
-                 "from_bytes", "in_process")
+                 "from_bytes", "in_process", "observed", "rebakes")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -65,6 +65,8 @@ class TraceEntry:
         self.error = ""
         self.scalar_ref: list[Any] | None = None  # Python numbers of the first run
         self.varying: set[int] = set()  # positions of numbers that changed between runs
+        self.observed = 0  # runs whose numbers a compiling backend compared (observe)
+        self.rebakes = 0  # recompiles because a baked-in number changed after the compile
         self.graph: Any = None  # the TraceGraph the program was built from
         self.was_hot = False  # an earlier process found this trace hot
         self.loaded_state = "measuring"  # state once the pending compile or load is done
