@@ -149,7 +149,8 @@ class CompileProcess:
                 _write(proc.stdin, request)
                 status, payload, seconds = _read(proc.stdout)
             except Exception as err:  # pipe, pickling, a dead helper
-                self._give_up(f"{type(err).__name__}: {err}")
+                if self.broken is None:  # not abandoned at exit: a real failure
+                    self._give_up(f"{type(err).__name__}: {err}")
                 raise HelperFailed(self.broken) from err
         if status == "ok":
             return payload, seconds
@@ -183,6 +184,14 @@ class CompileProcess:
         log.warning("adaptive_eager: the compile helper process failed (%s); compiling in this "
                     "process from now on", why)
         self.close()
+
+    def abandon(self) -> None:
+        """At the program's exit: kill a helper still compiling, quietly (its answer would come
+        too late; the helper exits by itself on EOF, but a compile can take a minute)."""
+        self.broken = "the program exited"
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def close(self) -> None:
         proc, self._proc = self._proc, None

@@ -418,7 +418,8 @@ class Engine:
             env = self._execute(entry, tr, live, owner)
             publish(tr, env, self.check, owner and not self.shared)
         except BaseException as err:
-            M.replay_errors += 1
+            if isinstance(err, Exception):  # an interrupt is not an error of the trace
+                M.replay_errors += 1
             poison(tr, err)
             _mark_user(err)
             raise

@@ -94,7 +94,7 @@ def replay(trace: Trace, live: list[int], check: bool) -> list:
                 if drop is not None:
                     for s in drop:
                         env[s] = None
-        except BaseException as err:
+        except Exception as err:  # KeyboardInterrupt/SystemExit pass as they are: no op raised
             err.add_note(f"adaptive_eager: raised by deferred op {ops[i][0]} (op {i} of a trace of "
                          f"{len(ops)}) when the trace ran; run with adaptive_eager disabled to see "
                          "the line that recorded it")
