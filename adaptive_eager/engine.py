@@ -23,7 +23,7 @@ from adaptive_eager.dispatch.lazy import (
     CONJ, NEG, LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of,
     rebind_aliases, resolve_all,
 )
-from adaptive_eager.dispatch.opspec import OpSpec
+from adaptive_eager.dispatch.opspec import GRAD_MODE, OpSpec
 from adaptive_eager.explain import explain_miss, user_frame
 from adaptive_eager.compiler import manager_for
 from adaptive_eager.execute import live_slots, poison, publish, replay
@@ -131,7 +131,6 @@ def _flush_before_handoff(reason: str) -> None:
 # (under no_grad) ops alike, and replays them wherever the flush happens, so such an op replays
 # under the grad mode it was recorded in, and that mode is part of its key and of its metadata
 # key (its outputs differ). These ops get their own policy (mode.py); nothing else pays.
-GRAD_MODE = 7  # policy value beyond opspec's (DEFER..FALLBACK)
 GRAD_MODE_OPS = (torch.ops.aten.mkldnn_rnn_layer.default,)
 
 

@@ -272,6 +272,10 @@ def ext_reals(trace: Trace) -> list[torch.Tensor]:
 def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
     """The FX graph of ``trace`` returning ``live`` slots, numbers at ``varying`` positions
     lifted to inputs."""
+    if trace.grad_ops:  # Note [grad-mode kernels] in engine.py: compiled below autograd,
+        # such a kernel would run without the grad mode it was recorded in (LSTM's
+        # mkldnn_rnn_layer then returns no workspace: every program failed when run)
+        raise Unfusable("an op whose kernel reads the grad mode (mkldnn_rnn_layer)")
     g = fx.Graph()
     reals = ext_reals(trace)
     if any(t.is_conj() or t.is_neg() for t in reals):

@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK = range(7)
-POLICY_NAMES = ("defer", "alloc", "random", "passthrough", "inplace_view", "sync", "fallback")
+DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK, GRAD_MODE = range(8)
+POLICY_NAMES = ("defer", "alloc", "random", "passthrough", "inplace_view", "sync", "fallback",
+                "grad_mode")  # GRAD_MODE: deferred, replayed under its recorded grad mode
 
 _aten = torch.ops.aten
 
