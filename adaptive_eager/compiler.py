@@ -324,6 +324,16 @@ def _at_exit() -> None:
         pass
 
 
+def _has_user_ops(g: graph_mod.TraceGraph) -> bool:
+    """A graph calling ops outside torch's own namespaces (Note [custom ops]): the helper,
+    started isolated, cannot import the library that defines them, so it compiles here."""
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target.namespace not in _TORCH_NAMESPACES for n in g.gm.graph.nodes)
+
+
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "quantized", "_quantized", "inductor"})
+
+
 def _abandon_helper() -> None:
     """Kill a helper still compiling for us: its answer would come too late, and a daemon
     thread blocked reading its pipe holds that file's lock, which interpreter finalization
@@ -527,7 +537,7 @@ class CompileManager:
         entry.loaded_state = "measuring"
         if self.disk is not None and not entry.was_hot:
             self.save_stats(entry, hot=True)  # dropped at exit: the next run compiles it at once
-        if self._use_helper(entry) and self.options.compile_async:
+        if self._use_helper(entry) and self.options.compile_async and not _has_user_ops(g):
             self._start(entry, self._compile_remote, g, entry,
                         label=f"trace {entry.digest[:12]} ({g.n_ops} ops)")
             return None
