@@ -75,10 +75,26 @@ def overhead_per_op(eager: Result | None, res: Result) -> float | None:
     return (res["median_s"] - eager["median_s"]) * 1e6 / ops
 
 
+def losses_vs_eager(eager: Result, res: Result) -> str | None:
+    """Every step's loss against eager's, over the steps both ran (a mode runs more steps when it
+    settles compiles): "= (N steps)" when bitwise equal, else the largest absolute difference."""
+    a, b = res.get("losses"), eager.get("losses")
+    if not a or not b:
+        return None
+    n = min(len(a), len(b))
+    worst = max(abs(x - y) for x, y in zip(a[:n], b[:n]))
+    if all(x == y for x, y in zip(a[:n], b[:n])):
+        return f"= ({n} steps)"
+    return f"max abs diff {worst:.1e} ({n} steps)" if math.isfinite(worst) else "NaN"
+
+
 def check_vs_eager(eager: Result | None, res: Result) -> str:
     if not ok(eager) or not ok(res) or res.get("checksum") is None:
         return ""
     assert eager is not None
+    per_step = losses_vs_eager(eager, res)
+    if per_step is not None:
+        return per_step
     a, b = res["checksum"], eager["checksum"]
     if a == b:
         return "="

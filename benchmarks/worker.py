@@ -25,6 +25,7 @@ from benchmarks.modes import probe_engine_options
 from benchmarks.workloads import WORKLOADS, Bench
 
 Step = Callable[[], Any]
+MAX_LOSSES = 5000
 
 
 def device_sync(device: torch.device) -> Callable[[], None]:
@@ -188,6 +189,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     res["options_used"] = runner.options_used
     res["notes"] = runner.notes
     res.update(measure(runner, bench, spec))
+    if bench.losses is not None:  # every step's loss, compared with eager's by the report
+        res["losses"] = list(bench.losses[:MAX_LOSSES])
     return res
 
 

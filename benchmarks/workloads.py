@@ -21,6 +21,7 @@ StepFn = Callable[[], Any]
 class Bench:
     step: StepFn
     checksum: Callable[[Any], float]
+    losses: list[float] | None = None  # every step's logged loss, when the program logs one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +190,18 @@ def build_item_loop(size: str, device: torch.device) -> Bench:
     return Bench(step=step, checksum=tensor_checksum)
 
 
+def build_char_gpt(size: str, device: torch.device) -> Bench:
+    from benchmarks.real_programs import build_char_gpt as build
+
+    return build(size, device)
+
+
+def build_lstm_lm(size: str, device: torch.device) -> Bench:
+    from benchmarks.real_programs import build_lstm_lm as build
+
+    return build(size, device)
+
+
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("elementwise", "GELU-like chain of 9 elementwise ops", ("64K", "1M", "16M"),
              ("16M",), build_elementwise),
@@ -204,6 +217,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              ("small", "large"), ("small",), build_tiny_ops),
     Workload("item_loop", "data-dependent loop, .item() + branch every iteration",
              ("small", "large"), ("small",), build_item_loop),
+    Workload("char_gpt", "character-level GPT, DataLoader (2 workers), dropout, .item() a step",
+             ("small",), ("small",), build_char_gpt),
+    Workload("lstm_lm", "LSTM language model, clip_grad_norm_, hand-written SGD",
+             ("small",), ("small",), build_lstm_lm),
 )}
 
 
@@ -225,4 +242,8 @@ def describe_size(workload: str, size: str) -> str:
     if workload == "item_loop":
         n, iters = _ITEM[size]
         return f"{n}x{n} matvec, {iters} .item() per step"
+    if workload in ("char_gpt", "lstm_lm"):
+        from benchmarks.real_programs import describe
+
+        return describe(workload, size)
     return size
