@@ -537,7 +537,7 @@ class CompileManager:
         entry.loaded_state = "measuring"
         if self.disk is not None and not entry.was_hot:
             self.save_stats(entry, hot=True)  # dropped at exit: the next run compiles it at once
-        if self._use_helper(entry) and self.options.compile_async and not _has_user_ops(g):
+        if self._use_helper(entry) and self.options.compile_async:
             self._start(entry, self._compile_remote, g, entry,
                         label=f"trace {entry.digest[:12]} ({g.n_ops} ops)")
             return None
@@ -548,7 +548,8 @@ class CompileManager:
     def _use_helper(self, entry: TraceEntry) -> bool:
         return (self.options.compile_process and getattr(self.backend, "separate_process", False)
                 and not entry.in_process and HELPER.broken is None
-                and entry.digest not in self._here)
+                and entry.digest not in self._here
+                and not (entry.graph is not None and _has_user_ops(entry.graph)))
 
     def _start(self, entry: TraceEntry, work: Any, *args: Any, label: str = "") -> None:
         """Run a helper compile or a load in the worker thread (now, with compile_async off)."""
