@@ -23,7 +23,7 @@ from adaptive_eager.dispatch.lazy import (
     CONJ, NEG, LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of,
     rebind_aliases, resolve_all,
 )
-from adaptive_eager.dispatch.opspec import GRAD_MODE, OpSpec
+from adaptive_eager.dispatch.opspec import GRAD_MODE, RANDOM, OpSpec
 from adaptive_eager.explain import explain_miss, user_frame
 from adaptive_eager.compiler import manager_for
 from adaptive_eager.execute import live_slots, poison, publish, replay
@@ -533,10 +533,17 @@ class Engine:
         M.ops_eager += 1
         rargs = resolve_all(args)
         rkwargs = {k: resolve_all(v) for k, v in kwargs.items()} if kwargs else {}
+        user_op = learn is not None and getattr(op, "namespace", "aten") != "aten"
+        rng = torch.get_rng_state() if user_op else None
         with _DisableFunction():
             out = op(*rargs, **rkwargs)
             if learn is not None:
                 META_CACHE.put(learn, _out_spec(out, spec.ret_alias))
+        if rng is not None and not torch.equal(rng, torch.get_rng_state()):
+            # A user op that draws from the global generator without the nondeterministic_seeded
+            # tag: deferred, its draws would move to the flush, out of program order. From now
+            # on it runs at once, in order, as random ops do (Note [custom ops] in opspec.py).
+            spec.policy, spec.reason = RANDOM, "custom op draws random numbers"
         if learn is not None and self.presence is not None and (M.meta_misses & 255) == 0:
             self._consider_step_aside()
         return rebind_aliases(spec.ret_alias, args, out)

@@ -465,3 +465,35 @@ def test_custom_op_with_data_dependent_output_shape_is_a_sync_point() -> None:
     from adaptive_eager.dispatch.opspec import SYNC, spec_for
 
     assert spec_for(torch.ops.ae_test.positive.default).policy == SYNC
+
+
+@torch.library.custom_op("ae_test::jitter", mutates_args=())
+def jitter(x: torch.Tensor) -> torch.Tensor:
+    """Draws from the global generator but carries no nondeterministic_seeded tag."""
+    return x + torch.rand_like(x)
+
+
+@jitter.register_fake
+def _jitter_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_custom_op_that_draws_random_numbers_keeps_program_order() -> None:
+    """Deferred, its draws would move to the flush, after the user's own torch.rand calls."""
+
+    def run(engine: bool) -> list:
+        torch.manual_seed(7)
+        x = torch.ones(16)
+        outs = []
+        for _ in range(5):
+            y = jitter(x * 2)
+            outs.append(to_plain(y + torch.rand(16)))
+            if engine:
+                ae.sync()
+        return outs
+
+    expected = run(False)
+    with ae.adaptive_eager(backend="replay", check=True):
+        got = run(True)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
