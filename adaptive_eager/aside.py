@@ -298,8 +298,9 @@ def realize_grads(optimizer: Any) -> None:
                 continue
             real = g._ae_real
             if (real is None or type(real) is not torch.Tensor or g.requires_grad
-                    or real.layout is not torch.strided):
-                continue
+                    or real.layout is not torch.strided
+                    or getattr(getattr(g._ae_trace, "engine", None), "shared", False)):
+                continue  # shared: another thread may hold this very object (threads Note)
             p.grad = None
             if g._use_count() == 1:
                 become_real(g, real)
