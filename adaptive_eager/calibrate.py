@@ -8,6 +8,7 @@ time is negligible, in float64 so the calibration's traces live under their own 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -42,6 +43,9 @@ def calibrate() -> None:
     # log, as its counts must not reach the metrics. Restored, like METRICS, afterwards.
     saved_misses = {k: {**v, "values": list(v["values"]), "traces": list(v["traces"])}
                     for k, v in RUN_LOG.misses.items()}
+    engine_log = logging.getLogger("adaptive_eager")  # nor its "trace miss" INFO lines
+    old_level = engine_log.level
+    engine_log.setLevel(max(logging.WARNING, engine_log.getEffectiveLevel()))
     had_root = torch.float64 in TRIE.roots
     n_entries = len(TRIE.entry_list)
     old_dtype = torch.get_default_dtype()
@@ -57,6 +61,7 @@ def calibrate() -> None:
         for k, v in saved.items():
             setattr(METRICS, k, v)
         RUN_LOG.misses = saved_misses
+        engine_log.setLevel(old_level)
         if not had_root:
             TRIE.roots.pop(torch.float64, None)
         del TRIE.entry_list[n_entries:]

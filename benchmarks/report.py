@@ -27,7 +27,7 @@ setup, warm-up, timed steps); *compiles* comes from the engine's metrics (`compi
 it counts them) or Dynamo's unique graphs; *ops/step* is
 `ops_intercepted` per timed step; *us/op* is time per step / ops per step; *overhead us/op* is
 (this - eager) per intercepted op; *peak RSS MB* is `ru_maxrss` of the subprocess; *vs eager*
-compares the first step's result with eager's (`=` bitwise, else the relative difference).
+compares with eager every step's logged loss over the steps both ran where a workload logs one (`= (N steps)` bitwise, else the largest absolute difference), otherwise the first step's result (`=` bitwise, else the relative difference).
 """
 
 

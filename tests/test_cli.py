@@ -194,8 +194,9 @@ def test_calibration_traces_are_not_the_users_misses(tmp_path: Path, cache_dir: 
     # step_aside on (the default) makes the engine calibrate itself at start, under the engine
     script = tmp_path / "tiny.py"
     script.write_text(_CALIBRATED)
-    _python([str(script)], _env(cache_dir, ADAPTIVE_EAGER="1", ADAPTIVE_EAGER_STEP_ASIDE="1"),
-            tmp_path)
+    proc = _python([str(script)], _env(cache_dir, ADAPTIVE_EAGER="1", ADAPTIVE_EAGER_STEP_ASIDE="1",
+                                       ADAPTIVE_EAGER_LOG_LEVEL="INFO"), tmp_path)
+    assert "trace miss" in proc.stderr and "autoload" not in proc.stderr, proc.stderr
     run = _report(cache_dir, "--last")["runs"][0]
     # one trace, seen for the first time once: before the fix the report said "1 misses" but
     # "3x at an op or shape seen for the first time", two of them at adaptive_eager_autoload.py
