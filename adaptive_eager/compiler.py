@@ -788,9 +788,12 @@ class CompileManager:
         transient = _transient(err)
         entry.decision = f"op-by-op: {stage} failed" + (" (transient)" if transient else "")
         kind = f"{stage}:{type(err).__name__}"
+        # A trace the graph builder declines (Unfusable: an LSTM kernel, a conj view) is a known
+        # limit, not a fault: said at INFO (and in the report's decisions), not as a warning.
+        level = logging.INFO if isinstance(err, graph_mod.Unfusable) else logging.WARNING
         if kind not in self._logged:
             self._logged.add(kind)
-            log.warning("adaptive_eager: %s of trace %s failed (%s: %s); it runs op by op%s",
+            log.log(level, "adaptive_eager: %s of trace %s failed (%s: %s); it runs op by op%s",
                         stage, entry.digest[:12], type(err).__name__, str(err)[:300],
                         " in this process (a later one retries it)" if transient else "",
                         exc_info=log.isEnabledFor(logging.DEBUG))
