@@ -254,6 +254,9 @@ class _Worker:
 
     def close(self) -> list[str]:
         """Stop taking work; what was pending is dropped (returned by label)."""
+        if self._pid != os.getpid():  # a forked child (a DataLoader worker) exiting: those
+            self.closed = True  # jobs are its parent's, to report there (and the lock may be
+            return []  # held by a thread that does not exist here)
         with self._cond:
             dropped = self.pending()
             self.closed = True
@@ -884,7 +887,8 @@ class CompileManager:
         entry.graph = g
         entry.program_live = frozenset(live)
         entry.loaded_state = "measuring"  # measured again here: this process may differ
-        entry.decision = stats.get("decision", "") + " (loaded)"
+        entry.decision = (f"{stats['decision']} (loaded)" if stats.get("decision")
+                          else "loaded from the disk cache, not measured yet")
         self._start(entry, self._load, value["artifact"], g, entry)
         return True
 

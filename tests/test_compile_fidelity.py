@@ -741,3 +741,22 @@ def test_number_that_changes_after_the_compile_is_lifted_by_a_recompile(
     assert m["compiled_runs"] >= 4, m  # the second program serves the changing numbers
     for g, e in zip(got, expected):
         _close(g, e)
+
+
+def test_forked_child_does_not_report_its_parents_pending_compiles() -> None:
+    """A DataLoader worker forked while a compile was queued inherits the queue: at its exit it
+    must not print the parent's "still pending" line (seen twice in one run), nor take the
+    queue's lock, which a parent thread that does not exist in the child may have held."""
+    import concurrent.futures
+
+    from adaptive_eager import compiler
+
+    job = (concurrent.futures.Future(), print, (), "trace abc (9 ops)")
+    parent = compiler._Worker()
+    parent._jobs.append(job)
+    assert parent.close() == ["trace abc (9 ops)"]
+    child = compiler._Worker()
+    child._jobs.append(job)
+    child._pid = -1  # as after os.fork: the queue was made by another process
+    child._cond.acquire()  # held by the parent's (absent) worker thread at the fork
+    assert child.close() == [] and child.closed
