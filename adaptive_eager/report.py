@@ -43,6 +43,7 @@ def summarize_run(records: list[dict]) -> dict:
         "changed_misses": sum(r.get("count", 0) for r in misses
                               if r.get("cause") not in _FIRST_SIGHT),
         "fallbacks": m.get("fallbacks", 0), "step_asides": m.get("step_asides", 0),
+        "compile_waits": m.get("compile_waits", 0),
         "top_traces": saved[:10],
         "traces": [_trace_row(t) for t in traces[:50]],
         "flush_reasons": dict(Counter(m.get("flush_reasons", {})).most_common(12)),
@@ -143,7 +144,8 @@ def _format_run(r: dict) -> list[str]:
            f"  ops: {r['ops_deferred']} deferred, {r['ops_fused']} ran fused "
            f"({r['fused_share']}%), {r['ops_eager']} ran at once, {r['fallbacks']} fallbacks",
            f"  compiles: {r['compiles']} ({r['compile_seconds']} s), disk hits {r['disk_hits']}, "
-           f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x"]
+           f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x, "
+           f"plain eager while compiling {r.get('compile_waits', 0)}x"]
     faults = [f"{r.get(k, 0)} {k.replace('_', ' ')}" for k in ("compile_errors", "fused_errors")
               if r.get(k)]
     if r.get("compiles_pending"):
