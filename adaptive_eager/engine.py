@@ -130,8 +130,7 @@ def _flush_before_handoff(reason: str) -> None:
 # records forward, backward (the autograd engine runs nodes with grad mode off) and optimizer
 # (under no_grad) ops alike, and replays them wherever the flush happens, so such an op replays
 # under the grad mode it was recorded in, and that mode is part of its key and of its metadata
-# key (its outputs differ). These ops get their own policy (mode.py); nothing else pays.
-GRAD_MODE_OPS = (torch.ops.aten.mkldnn_rnn_layer.default,)
+# key (its outputs differ). These ops get their own policy (opspec.py); nothing else pays.
 
 
 class NeedRun(Exception):

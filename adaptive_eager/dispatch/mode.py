@@ -21,7 +21,7 @@ from adaptive_eager.dispatch.opspec import (
     ALLOC, DEFER, INPLACE_VIEW, PASSTHROUGH, RANDOM, SPECS, SYNC, spec_for,
 )
 from adaptive_eager.engine import (
-    GRAD_MODE, GRAD_MODE_OPS, Engine, NeedRun, RunNow, is_user_error,
+    GRAD_MODE, Engine, NeedRun, RunNow, is_user_error,
 )
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import Unsupported
@@ -31,10 +31,6 @@ _T = torch.Tensor
 _transforms_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
 
-for _op in GRAD_MODE_OPS:  # Note [grad-mode kernels] in engine.py
-    _spec = spec_for(_op)
-    if _spec.policy == DEFER:
-        _spec.policy, _spec.reason = GRAD_MODE, "deferred; its kernel reads the grad mode"
 
 
 class DeferMode(TorchDispatchMode):

@@ -44,6 +44,7 @@ POLICY_NAMES = ("defer", "alloc", "random", "passthrough", "inplace_view", "sync
                 "grad_mode")  # GRAD_MODE: deferred, replayed under its recorded grad mode
 
 _aten = torch.ops.aten
+GRAD_MODE_OPS = frozenset({_aten.mkldnn_rnn_layer.default})  # kernels that read the grad mode
 
 _ALLOC_OPS = {
     _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
@@ -85,6 +86,8 @@ class OpSpec:
         self.view_arg = _view_arg(schema)
         self.bool_index = op in (_aten.index.Tensor, _aten._unsafe_index.Tensor)
         self.policy, self.reason = _classify(op, schema)
+        if self.policy == DEFER and op in GRAD_MODE_OPS:  # Note [grad-mode kernels] in engine.py
+            self.policy, self.reason = GRAD_MODE, "deferred; its kernel reads the grad mode"
         self.host_learns = 0  # host-scalar runs whose metadata was learned (engine.run_host_scalar)
 
 
