@@ -77,6 +77,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from adaptive_eager.spans import span
 from adaptive_eager import graph as graph_mod
+from adaptive_eager import distributed  # Note [ranks agree]
 from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, cache_key, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
@@ -514,6 +515,9 @@ class CompileManager:
     def _maybe_start(self, entry: TraceEntry, trace: Trace, live: list[int]) -> tuple | None:
         if entry.n_ops < MIN_OPS or WORKER.closed:
             return None
+        # Note [ranks agree]: in a distributed job only at the hot run, and as the ranks agree
+        if not distributed.ready_to_start(self, entry, trace, live):
+            return None
         if not entry.disk_checked:
             entry.disk_checked = True
             if self._from_disk(entry, trace, live):
@@ -540,7 +544,8 @@ class CompileManager:
         entry.loaded_state = "measuring"
         if self.disk is not None and not entry.was_hot:
             self.save_stats(entry, hot=True)  # dropped at exit: the next run compiles it at once
-        if self._use_helper(entry) and self.options.compile_async:
+        if (self._use_helper(entry) and self.options.compile_async
+                and not distributed.sync_compiles()):  # Note [ranks agree]
             self._start(entry, self._compile_remote, g, entry,
                         label=f"trace {entry.digest[:12]} ({g.n_ops} ops)")
             return None
@@ -560,7 +565,7 @@ class CompileManager:
         entry.state = "compiling"
         with STATE_LOCK:
             M.compiles_pending += 1
-        if not self.options.compile_async:
+        if not self.options.compile_async or distributed.sync_compiles():  # Note [ranks agree]
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
                 fut.set_result(work(*args))
@@ -677,7 +682,8 @@ class CompileManager:
         replay = _median(entry.replay_s) if entry.replay_s else float("inf")
         self.decided.append(entry)
         self._remeasure.discard(entry.digest)
-        if fused <= KEEP_RATIO * replay:
+        # Note [ranks agree]: the first rank to measure decides for all
+        if distributed.agree_keep(self, entry, fused <= KEEP_RATIO * replay):
             entry.state = "fused"
             entry.decision = f"fused: {fused * 1e3:.3f} ms vs op-by-op {replay * 1e3:.3f} ms"
             M.kept_fused += 1
@@ -697,6 +703,10 @@ class CompileManager:
 
     def step_aside_reason(self) -> str | None:
         """Why the engine should leave the mode stack, or None while something gains."""
+        # Note [ranks agree]: ranks of a distributed job step aside together
+        return distributed.agree_aside(self, self._step_aside_reason())
+
+    def _step_aside_reason(self) -> str | None:
         if not self.options.step_aside or not self.backend.compiles:
             return None
         if self.probe_start is not None:

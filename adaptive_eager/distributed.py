@@ -1,0 +1,315 @@
+"""Ranks of one torch.distributed job make the same decisions for the same trace.
+
+Note [ranks agree]
+Under DDP (and FSDP, and any data-parallel scheme) replicas stay equal only if every rank applies
+the same averaged gradient with the same arithmetic. Op-by-op replay and plain eager (stepping
+aside) are the same arithmetic; a fused program is not (within tolerance, not bitwise). So every
+rank must run a given trace fused, or not, at the same run of that trace. Left alone, each rank
+decided from its own clock: a compile finished at step 9 on one rank and step 12 on the other,
+one rank kept a program its twin dropped, one stepped aside: measured on main, 3 of 4 warm
+2-rank DDP runs ended with bitwise different replicas. In a distributed job (``WORLD_SIZE`` > 1
+in the environment, or an initialized default process group of more than one rank):
+
+- *When* is a pure function of the trace's run count. Compiles and disk loads are synchronous
+  (the flush that wants the program waits for it, as with ``compile_async`` off), and a program
+  is looked for (disk or compile) at the trace's ``hot_after``-th run only, never earlier because
+  this machine's disk remembers the trace as hot. Every rank that runs the same traces switches
+  at the same run; no background compile can finish "at a different step".
+- *What* (the plan at that run: look for a program, or stay op by op because this disk says so;
+  keep or drop a measured program; step aside; a trial's verdict) is agreed through the job's
+  c10d store: at each decision point a rank proposes its own answer with
+  ``store.compare_set(topic, "", mine)``, and the store keeps the first proposal. Every rank gets
+  that first answer back. The topic names the decision by what all ranks share: the trace digest
+  and its run count (or the flush count, or the trial number).
+
+Why first-writer-wins on the store, and not a collective or a barrier at the decision point:
+compare_set never waits for another rank. A rank that runs traces its peers do not (rank 0
+evaluating, a short last batch) proposes into topics nobody else reads and simply gets its own
+answer back; it can never hang, and no collective is issued that the peers would have to match
+(a mismatched collective deadlocks or corrupts the peers' next one). The cost is one store round
+trip per decision (16 us on 127.0.0.1 here), a few per trace over a whole run. The price of not
+waiting: ranks do not pool their measurements (the first rank's timing decides), and a rank whose
+own compile failed where the peers' succeeded runs op by op while they run fused (counted as
+``diverged``, warned once). With no store (a job before ``init_process_group``, or a store
+without compare_set) each decision takes a fixed answer that does not depend on timing: look for
+a program, keep it, never step aside.
+
+Ranks on one machine share the disk cache, so with compiles synchronous the first rank to reach
+a hot trace compiles it and its peers wait for the program on disk (Note [one compile per
+machine]) instead of compiling the same graph on the same cores.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("adaptive_eager")
+
+# Counters of this module (metrics.py has fixed slots; the report reads these through stats()).
+STATS: collections.Counter[str] = collections.Counter()
+PEER_WAIT_S = 600.0  # longest wait for a peer's program on disk before compiling here
+_POLL_S = 0.05
+
+_env_world: int | None = None
+_store_for: tuple[Any, Any] | None = None  # (default group, prefixed store or None)
+_warned: set[str] = set()
+
+
+def _world_from_env() -> int:
+    global _env_world
+    if _env_world is None:
+        try:
+            _env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            _env_world = 1
+    return _env_world
+
+
+def _dist() -> Any:
+    """torch.distributed if the program imported it (never imported here for nothing)."""
+    d = sys.modules.get("torch.distributed")
+    if d is None or not d.is_available():
+        return None
+    return d
+
+
+def active() -> bool:
+    """Whether this process is one rank of a distributed job of more than one rank."""
+    if _world_from_env() > 1:
+        return True
+    d = _dist()
+    return d is not None and d.is_initialized() and d.get_world_size() > 1
+
+
+def sync_compiles() -> bool:
+    """Compiles and loads run at the flush that wants them (Note [ranks agree])."""
+    return active()
+
+
+def rank() -> int:
+    d = _dist()
+    if d is not None and d.is_initialized():
+        return d.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def job_id() -> str:
+    """The job's id from torchrun's environment ("" outside torchrun)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def _store() -> Any:
+    """The default process group's store under an ``adaptive_eager/`` prefix, or None."""
+    global _store_for
+    d = _dist()
+    if d is None or not d.is_initialized():
+        return None
+    try:
+        group = d.distributed_c10d._get_default_group()
+    except Exception:
+        return None
+    if _store_for is not None and _store_for[0] is group:
+        return _store_for[1]
+    store = None
+    try:
+        base = d.distributed_c10d._get_default_store()
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = d.PrefixStore(f"adaptive_eager/{restart}/", base)
+    except Exception as err:
+        _warn_once("store", f"no c10d store to agree through ({err}); ranks use fixed rules")
+    _store_for = (group, store)
+    return store
+
+
+def _warn_once(kind: str, text: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        log.warning("adaptive_eager: rank %d: %s", rank(), text)
+
+
+def agree(topic: str, mine: str, default: str) -> str:
+    """The answer every rank gets for ``topic``: the first rank's proposal (Note [ranks agree]).
+
+    ``default`` is the fixed answer when there is no store to agree through."""
+    store = _store()
+    if store is None:
+        STATS["fixed"] += 1
+        return default
+    try:
+        got = store.compare_set(topic, "", mine)
+    except Exception as err:  # a store without compare_set, or the store went away
+        STATS["store_errors"] += 1
+        _warn_once("compare_set", f"store.compare_set failed ({type(err).__name__}: {err}); "
+                                  "ranks use fixed rules")
+        return default
+    answer = got.decode() if isinstance(got, bytes) else str(got)
+    STATS["agreed"] += 1
+    if answer != mine:
+        STATS["overruled"] += 1
+        log.info("adaptive_eager: rank %d: %s: %r here, %r agreed (another rank decided first)",
+                 rank(), topic, mine, answer)
+    return answer
+
+
+def diverged(why: str) -> None:
+    """This rank cannot follow an agreed decision (its own compile or program failed)."""
+    STATS["diverged"] += 1
+    _warn_once(f"diverged:{why}", f"cannot follow the decision the other ranks agreed ({why}); "
+                                  "this rank runs op by op where they run fused")
+
+
+def stats() -> dict[str, Any]:
+    return {"active": active(), "rank": rank(), "job": job_id(), **STATS}
+
+
+# ---- the decision points (one call each from compiler.py and aside.py) ----------------------
+def ready_to_start(mgr: Any, entry: Any, trace: Any = None, live: Any = None) -> bool:
+    """From ``CompileManager._maybe_start``: may this flush look for a program for ``entry``
+    (the disk, then a compile)? Outside distributed jobs always. In one, only at the run where
+    the trace is hot by count, and only if the ranks agree to (else the entry is decided op by
+    op here, as on every rank)."""
+    if not active():
+        return True
+    from adaptive_eager.compiler import MIN_OBSERVED
+
+    hot_after = mgr.options.hot_after
+    if entry.runs < hot_after or entry.observed < min(hot_after, MIN_OBSERVED):
+        return False
+    mine, stats = _intent(mgr, entry)
+    agreed = agree(f"plan/{entry.digest}/{entry.runs}", mine, default="fused")
+    if agreed != "fused":
+        with _state_lock():
+            entry.state = "replay"
+            entry.disk_checked = True
+            entry.decision = f"op-by-op: {agreed.partition(':')[2] or 'agreed'} (ranks agree)"
+            if stats and stats.get("replay_ms") and stats.get("fused_ms"):
+                entry.replay_s = [stats["replay_ms"] / 1e3]
+                entry.fused_s = [stats["fused_ms"] / 1e3]
+            mgr.decided.append(entry)  # every rank counts it: settled() agrees across ranks
+        return False
+    if mine != "fused":
+        if mine.startswith("replay:quarantined"):
+            diverged("this rank's cache quarantined the trace")
+        mgr._remeasure.add(entry.digest)  # our disk's op-by-op is overruled: look anyway
+    if trace is not None and live is not None:
+        _one_compile_per_machine(mgr, entry, trace, live)
+    return True
+
+
+def _state_lock() -> Any:
+    from adaptive_eager.compiler import STATE_LOCK
+
+    return STATE_LOCK
+
+
+def _intent(mgr: Any, entry: Any) -> tuple[str, dict | None]:
+    """What this rank's own disk says about the trace: "fused" (look for a program) or
+    "replay:<why>" (the same tests as ``CompileManager._from_disk``)."""
+    disk = mgr.disk
+    if disk is None:
+        return "fused", None
+    try:
+        if disk.is_quarantined(entry.digest):
+            return "replay:quarantined in an earlier run", None
+        stats = disk.get_stats(entry.digest)
+    except Exception:
+        return "fused", None
+    if stats is None or entry.digest in mgr._remeasure:
+        return "fused", stats
+    import torch
+
+    failure = stats.get("failure")
+    retry = bool(failure) and mgr._retry_failure(failure)
+    if (str(stats.get("decision", "")).startswith("op-by-op") and not retry
+            and stats.get("torch") == torch.__version__):
+        return f"replay:{stats['decision']} (earlier run)", stats
+    return "fused", stats
+
+
+def agree_keep(mgr: Any, entry: Any, keep: bool) -> bool:
+    """From ``CompileManager._decide``: keep the measured program? The first rank to measure
+    decides for all (every rank decides at the same run of the trace)."""
+    if not active():
+        return keep
+    return agree(f"keep/{entry.digest}/{entry.runs}", "1" if keep else "0", default="1") == "1"
+
+
+def agree_aside(mgr: Any, reason: str | None) -> str | None:
+    """From ``CompileManager.step_aside_reason``: step aside, and why (None: stay)."""
+    if not active() or not mgr.options.step_aside or not mgr.backend.compiles:
+        return reason
+    answer = agree(f"aside/{mgr.flushes}", reason or "", default="")
+    return answer or None
+
+
+def agree_trial(stay: bool) -> bool:
+    """From the measured trial's verdict (aside.py): stay in the engine?"""
+    if not active():
+        return stay
+    from adaptive_eager.metrics import METRICS
+
+    return agree(f"trial/{METRICS.trials}", "engine" if stay else "eager",
+                 default="engine") == "engine"
+
+
+# ---- Note [one compile per machine] ---------------------------------------------------------
+# Ranks on one machine that share a cache folder would each compile the same hot trace at the
+# same flush (compiles are synchronous in distributed jobs), on the same cores. Instead the first
+# rank of the machine to reach the trace (first-writer on the store, topic named by host and
+# cache folder) compiles it and stores the program, as always; the others wait for that program
+# to appear on disk (verified as every disk entry is), then load it. A compile that fails (its failure is on disk), or PEER_WAIT_S
+# without a program: the waiting rank compiles itself. It never waits on something that may
+# not happen (the compiling rank posted first, and its compile ends one way or the other).
+def _one_compile_per_machine(mgr: Any, entry: Any, trace: Any, live: Any) -> None:
+    disk = mgr.disk
+    store = _store()
+    if disk is None or store is None or entry.in_process:
+        return
+    from adaptive_eager import graph as graph_mod
+    import torch
+
+    try:
+        g = graph_mod.build(trace, live, entry.varying)
+        key = mgr._program_key(entry, g)
+        if disk.get_program(key, torch.__version__) is not None:
+            return  # already there: _from_disk loads it
+    except Exception:
+        return
+    host = f"{socket.gethostname()}:{disk.directory}"
+    me = str(rank())
+    try:
+        who = store.compare_set(f"compiler/{host}/{key}", "", me)
+        who = who.decode() if isinstance(who, bytes) else str(who)
+    except Exception:
+        return
+    if who == me:
+        STATS["compiled_for_peers"] += 1
+        return
+    start, wall = time.monotonic(), time.time()
+    log.info("adaptive_eager: rank %s: waiting for rank %s's program for trace %s", me, who,
+             entry.digest[:12])
+    while time.monotonic() - start < PEER_WAIT_S:
+        try:
+            if disk.get_program(key, torch.__version__) is not None:
+                STATS["peer_programs"] += 1
+                entry.was_hot = True
+                return
+            st = disk.get_stats(entry.digest) or {}
+        except Exception:
+            return
+        failure = st.get("failure")
+        if failure and float(failure.get("at", 0.0)) >= wall - 1.0:  # the peer's compile failed
+            STATS["peer_failed"] += 1
+            return
+        time.sleep(_POLL_S)
+    STATS["peer_timeouts"] += 1
+    _warn_once("peer", f"no program from rank {who} after {PEER_WAIT_S:.0f}s; compiling here")
