@@ -132,6 +132,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("workers", "ADAPTIVE_EAGER_WORKERS", _parse_bool, False,
             "Keep the engine in DataLoader worker processes (default: workers run plain "
             "eager, Note [worker processes])."),
+    # issue 12: the compile service (Note [compile service] in service.py)
+    Setting("compile_service", "ADAPTIVE_EAGER_COMPILE_SERVICE", _parse_bool, True,
+            "Compile in the per-user compile service of the cache folder, shared by processes, "
+            "so compiles finish after the program exits (off: a helper of this process)."),
+    Setting("service_idle_s", "ADAPTIVE_EAGER_SERVICE_IDLE_S", _int_in(1, 86_400), 120,
+            "Seconds the compile service waits with nothing to do before it exits."),
 )
 
 # The on/off switch for unmodified scripts (read by the torch.backends entry point).
@@ -159,6 +165,8 @@ class Options:
     step_flush: bool = True
     probe_every: int = 2000
     workers: bool = False
+    compile_service: bool = True  # issue 12
+    service_idle_s: int = 120  # issue 12
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,
