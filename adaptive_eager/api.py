@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -18,7 +21,7 @@ from adaptive_eager.dispatch import hops, regions
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.dispatch.opspec import SPECS
-from adaptive_eager.engine import Engine
+from adaptive_eager.engine import Engine, owned_engine
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
 
@@ -30,9 +33,58 @@ class _ThreadState(threading.local):
     presence: Presence | None = None
     depth: int = 0
     enabled_ctx: "EngineContext | None" = None
+    # The last outermost context's presence (and engine), kept for the next context with the
+    # same options: Note [contexts are rounds] in aside.py.
+    standing: Presence | None = None
+    standing_generation: int = 0
 
 
 _state = _ThreadState()
+_generation = 0  # bumped by clear_caches(): every thread's standing presence is stale then
+
+# Note [cheap contexts]
+# A program may enter the context around every call of a small function (Note [contexts are
+# rounds]), so entering and leaving must cost microseconds, not the milliseconds they did:
+# resolving the options read and parsed 15 environment variables (35-65 µs), a new Engine cost
+# about 1 ms, setting the logger's level cleared logging's cache, and every exit rewrote the run
+# log (about 4 ms of file work). Now: options are resolved once per distinct (environment,
+# keywords), the thread's engine is kept while the options stay the same, the logger is set only
+# when its level changes, and the run log is written at the first exit, then at most once per
+# RUN_LOG_EVERY_S, and at process exit.
+RUN_LOG_EVERY_S = 2.0
+_ENV_KEYS = tuple(s.env for s in config.SETTINGS)
+_env_data = getattr(os.environ, "_data", None)  # CPython's raw mapping behind os.environ
+_env_keys_raw: tuple[Any, ...] | None = None
+if isinstance(_env_data, dict):
+    try:
+        _env_keys_raw = tuple(os.environ.encodekey(k) for k in _ENV_KEYS)  # type: ignore[attr-defined]
+    except Exception:
+        _env_keys_raw = None
+_RESOLVED: dict[tuple, config.Options] = {}
+_configured_level: Any = None
+
+
+def _env_snapshot() -> tuple:
+    if _env_keys_raw is not None and _env_data is getattr(os.environ, "_data", None):
+        return tuple(map(_env_data.get, _env_keys_raw))  # type: ignore[union-attr]
+    env = os.environ
+    return tuple(env.get(k) for k in _ENV_KEYS)
+
+
+def resolve_options(options: dict[str, Any]) -> config.Options:
+    """``config.resolve(options)``, memoized on the relevant environment and the keywords."""
+    try:
+        key = (_env_snapshot(), tuple(sorted(options.items())) if options else ())
+        hash(key)
+    except TypeError:  # an unhashable keyword value: config.resolve says what is wrong with it
+        return config.resolve(options)
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        hit = config.resolve(options)
+        if len(_RESOLVED) > 64:
+            _RESOLVED.clear()
+        _RESOLVED[key] = hit
+    return hit
 
 
 class EngineContext:
@@ -43,24 +95,23 @@ class EngineContext:
     """
 
     def __init__(self, **options: Any) -> None:
-        self.options = config.resolve(options)  # validate now, at the user's line
+        self.options = resolve_options(options)  # validate now, at the user's line
         self._entered: list[bool] = []
 
     def __enter__(self) -> EngineContext:
         st = _state
         outer = st.engine is None
         if outer:
-            logs.configure(self.options.log_level)
-            install_parameter_patch()
-            workers.install()
-            install_feature_hooks()
-            if self.options.step_aside:
-                calibrate()
-            engine = Engine(self.options)
-            presence = engine.presence = Presence(engine, (ReadGuardMode(engine),
-                                                           DeferMode(engine)))
-            presence.activate()
-            st.engine, st.presence = engine, presence
+            presence = _standing(self.options)
+            if presence is None:
+                _start_up(self.options)
+                engine = Engine(self.options)
+                presence = engine.presence = Presence(engine, (ReadGuardMode(engine),
+                                                               DeferMode(engine)))
+                _drop_standing()
+                st.standing, st.standing_generation = presence, _generation
+            presence.enter()  # pushes the modes unless this thread runs aside
+            st.engine, st.presence = presence.engine, presence
         st.depth += 1
         self._entered.append(outer)
         return self
@@ -80,10 +131,80 @@ class EngineContext:
         finally:
             st.depth -= 1
             if outer:
-                if st.presence is not None:
-                    st.presence.close()
+                presence = st.presence
                 st.engine, st.presence = None, None
-                write_run_log(self.options)
+                try:
+                    if presence is not None:
+                        if presence is st.standing:
+                            presence.leave()  # kept for the next context
+                        else:
+                            presence.close()
+                finally:
+                    _run_log_due(self.options)
+
+
+def _start_up(options: config.Options) -> None:
+    """What the first engine of a process (or of new options) needs; cheap when repeated."""
+    global _configured_level
+    if options.log_level != _configured_level:
+        logs.configure(options.log_level)
+        _configured_level = options.log_level
+    install_parameter_patch()
+    workers.install()
+    install_feature_hooks()
+    if options.step_aside:
+        calibrate()
+
+
+def _standing(options: config.Options) -> Presence | None:
+    """This thread's standing presence, if the next context can reuse it as it is."""
+    st = _state
+    presence = st.standing
+    if presence is None:
+        return None
+    engine = presence.engine
+    if (st.standing_generation != _generation
+            or (engine.options is not options and engine.options != options)
+            or owned_engine() is not engine or engine.trace.ops):
+        _drop_standing()
+        return None
+    return presence
+
+
+def _drop_standing() -> None:
+    st = _state
+    presence, st.standing = st.standing, None
+    if presence is not None:
+        presence.close()
+
+
+_run_log_at: dict[str, float] = {}  # cache folder -> when its run log was last written
+_run_log_dirty: dict[str, config.Options] = {}  # folders whose last exit was not yet written
+_atexit_installed = False
+
+
+def _run_log_due(options: config.Options) -> None:
+    """Write the run log at the first exit and then at most every RUN_LOG_EVERY_S (Note [cheap
+    contexts]); what is left is written at process exit."""
+    global _atexit_installed
+    key = options.cache_dir or ""
+    now = time.monotonic()
+    last = _run_log_at.get(key)
+    if last is not None and now - last < RUN_LOG_EVERY_S:
+        _run_log_dirty[key] = options
+        if not _atexit_installed:
+            _atexit_installed = True
+            atexit.register(_write_pending_run_logs)
+        return
+    _run_log_at[key] = now
+    _run_log_dirty.pop(key, None)
+    write_run_log(options)
+
+
+def _write_pending_run_logs() -> None:
+    for key, options in list(_run_log_dirty.items()):
+        _run_log_dirty.pop(key, None)
+        write_run_log(options)
 
 
 def install_feature_hooks() -> None:
@@ -160,6 +281,10 @@ def reset_metrics() -> None:
 def clear_caches() -> None:
     """Forget every known trace, op metadata and compiled program in memory (the disk cache
     stays): the next run starts like a fresh process."""
+    global _generation
+    _generation += 1  # every thread's standing presence is dropped at its next context
+    if _state.engine is None:
+        _drop_standing()
     TRIE.clear()
     META_CACHE.clear()
     for spec in SPECS.values():

@@ -20,6 +20,16 @@ the time between two ticks: the ends of optimizer steps, or, in programs without
 the ends of outermost ``nn.Module`` calls. Programs with neither have no rounds and keep the
 estimate alone. A probe after ``probe_every`` rounds aside starts the question over.
 
+Note [contexts are rounds]
+A program may wrap each call of a small function in ``with adaptive_eager():`` and never call a
+module or an optimizer. Entering and leaving the context is plain Python, so it is a safe point,
+and the ends of contexts are its rounds. The thread keeps one Presence (and its Engine) across
+contexts with the same options (api.py's ``_ThreadState.standing``), so what was learned - aside,
+waiting, a trial half done, the verdict - outlives each context. Contexts become the rounds from
+the first re-entry on, unless the context just left held several outermost module calls (a
+context around a whole epoch of forward calls keeps the module calls as its rounds); optimizer
+steps still outrank both. Aside, entering pushes no modes: a context costs a few microseconds.
+
 Note [waiting aside]
 While a compile is in flight the engine replays its traces op by op, which is slower than eager
 (every op pays recording and replay on top of its kernel), and recording teaches nothing more:
@@ -48,6 +58,15 @@ log = logging.getLogger("adaptive_eager")
 
 TRIAL_TICKS = 8  # rounds timed each way in a trial
 TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
+
+
+def trial_verdict(engine_round: float, eager_round: float) -> str:
+    """The one place a measured trial is decided: "engine" or "eager" (Note [measured trial]).
+
+    Decisions are per process (per thread, really: each thread times its own rounds). A program
+    whose ranks must agree (issue 16) would combine the two medians across ranks here, before
+    comparing them, so that every rank steps aside or stays together."""
+    return "engine" if engine_round < TRIAL_MARGIN * eager_round else "eager"
 
 
 class _StepHook:
@@ -111,6 +130,9 @@ class Presence:
         self.waiting = False  # aside until the compiles in flight finish (Note [waiting aside])
         self._depth = 0
         self._tick_hooks: list[Any] = []
+        self.calls_in_context = 0  # outermost module calls in the current context
+        self.contexts = 0  # contexts entered (Note [contexts are rounds])
+        self.asides_said = 0
 
     def activate(self) -> None:
         if not self.active:
@@ -120,7 +142,7 @@ class Presence:
             opts = self.engine.options
             if (opts.step_flush or opts.step_aside) and self._step_hook is None:
                 self._step_hook = _StepHook.add(self)
-            if opts.step_aside and self.ticks_from != "step":
+            if opts.step_aside and self.ticks_from in (None, "forward"):
                 self._install_tick_hooks()  # rounds of programs without an optimizer
 
     def deactivate(self) -> None:
@@ -128,6 +150,48 @@ class Presence:
             for m in reversed(self.modes):
                 m.__exit__(None, None, None)
             self.active = False
+
+    # ---- contexts (Note [contexts are rounds]) --------------------------------------------------
+    def wants_modes(self) -> bool:
+        """Whether entering a context should push the modes (not while aside or timing eager)."""
+        return not (self.aside or self.waiting or self.trial == "eager")
+
+    def enter(self) -> None:
+        """The outermost context is entered (again): a safe point in plain Python."""
+        self.contexts += 1
+        opts = self.engine.options
+        if (self.contexts > 1 and opts.step_aside and self.ticks_from in (None, "forward")
+                and self.calls_in_context <= 1):
+            if self.ticks_from == "forward" and self.trial is not None:
+                self.periods, self.last_tick = [], None  # rounds change meaning: time anew
+            self.ticks_from = "context"
+            self._remove_tick_hooks()
+        self.calls_in_context = 0
+        if self.wants_modes():
+            self.activate()  # also installs the step hook and, where they are rounds, tick hooks
+        else:
+            if (opts.step_flush or opts.step_aside) and self._step_hook is None:
+                self._step_hook = _StepHook.add(self)  # counts optimizer steps while aside
+            if opts.step_aside and self.ticks_from in (None, "forward"):
+                self._install_tick_hooks()
+        if self.pending is not None:
+            self._install_hooks()
+
+    def leave(self) -> None:
+        """The outermost context ends (its trace already flushed): end a round, act on a pending
+        step-aside, and take the modes and every global hook off until the next context."""
+        try:
+            if self.ticks_from == "context":
+                self._round_ended()
+            elif self.pending is not None:
+                self.safe_point()
+        finally:
+            self.deactivate()
+            self._remove_hooks()
+            self._remove_tick_hooks()
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
 
     def close(self) -> None:
         self.deactivate()
@@ -159,8 +223,11 @@ class Presence:
         self.aside = True
         self.steps_aside = 0
         M.step_asides += 1
-        log.warning("adaptive_eager: stepping aside (%s); this thread runs plain eager, "
-                    "probing again after %d rounds", reason, self.engine.options.probe_every)
+        # said once as a warning; every later step-aside (after each probe) at INFO
+        level = logging.INFO if self.asides_said else logging.WARNING
+        self.asides_said += 1
+        log.log(level, "adaptive_eager: stepping aside (%s); this thread runs plain eager, "
+                "probing again after %d rounds", reason, self.engine.options.probe_every)
 
     def _after_step(self, *args: Any) -> None:
         """After every optimizer step: end the trace there (one trace per training iteration,
@@ -172,6 +239,8 @@ class Presence:
             if args:
                 realize_grads(args[0])
         if self.ticks_from != "step":
+            if self.trial is not None:
+                self.periods, self.last_tick = [], None  # rounds change meaning: time anew
             self.ticks_from = "step"
             self._remove_tick_hooks()  # optimizer steps are the rounds from now on
         self._round_ended()
@@ -242,7 +311,7 @@ class Presence:
         engine = self.engine_round or 0.0
         detail = f"median round {engine * 1e3:.3f} ms under the engine, {measured * 1e3:.3f} ms " \
                  "in plain eager"
-        if engine < TRIAL_MARGIN * measured:
+        if trial_verdict(engine, measured) == "engine":
             self.verdict = "engine"
             self.activate()
             log.info("adaptive_eager: trial: staying in the engine (%s)", detail)
@@ -260,8 +329,9 @@ class Presence:
         if self._depth <= 0:  # hooks installed mid-call: this call was never counted
             return
         self._depth -= 1
-        if self._depth == 0 and self.ticks_from != "step":
+        if self._depth == 0 and self.ticks_from in (None, "forward"):
             self.ticks_from = "forward"
+            self.calls_in_context += 1
             self._round_ended()
 
     def _install_tick_hooks(self) -> None:

@@ -53,11 +53,15 @@ class Runner:
         self._device_sync = device_sync(device)
         self.step: Step = bench.step
         self.ae: Any = None
+        self.inside = False  # the program enters the engine's context itself
         if kind == "engine":
             import adaptive_eager
 
             self.ae = adaptive_eager
             self.options_used, self.notes = probe_engine_options(adaptive_eager, options)
+            if bench.enters_engine is not None:
+                bench.enters_engine(self.options_used)
+                self.inside = True
         elif kind == "compile":
             self.step = torch.compile(bench.step)
 
@@ -67,6 +71,9 @@ class Runner:
             yield
             return
         self.ae.reset_metrics()
+        if self.inside:
+            yield
+            return
         with self.ae.adaptive_eager(**self.options_used):
             yield
 

@@ -22,6 +22,9 @@ class Bench:
     step: StepFn
     checksum: Callable[[Any], float]
     losses: list[float] | None = None  # every step's logged loss, when the program logs one
+    # Set when the program enters ``adaptive_eager()`` itself: engine modes call it with their
+    # options instead of wrapping the step in the context.
+    enters_engine: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,7 @@ def build_adamw_foreach(size: str, device: torch.device) -> Bench:
 # ---- tiny Llama training step (transformers, built from a config, no downloads) ------------
 _LLAMA = {  # hidden, intermediate, layers, heads, kv heads, vocab, batch, seq
     "small": (64, 128, 2, 4, 2, 512, 4, 32),
+    "mid": (256, 688, 4, 4, 4, 2048, 8, 128),  # the GPT-2 step's size (issue 13)
     "large": (256, 688, 4, 8, 4, 2048, 8, 128),
 }
 
@@ -146,6 +150,75 @@ def build_llama_train(size: str, device: torch.device) -> Bench:
         return loss.detach()
 
     return Bench(step=step, checksum=tensor_checksum)
+
+
+# ---- mid-size GPT-2 training step (transformers, from a config, no downloads) --------------
+_GPT2 = {"mid": (256, 4, 4, 2048, 8, 128)}  # width, layers, heads, vocab, batch, seq
+
+
+def build_gpt2_train(size: str, device: torch.device) -> Bench:
+    """GPT2LMHeadModel (no dropout) trained with AdamW foreach: a whole step is ~2,500 aten ops."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _seed()
+    width, layers, heads, vocab, batch, seq = _GPT2[size]
+    config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers,
+                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        use_cache=False)
+    model: torch.nn.Module = GPT2LMHeadModel(config)
+    model.to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Bench(step=step, checksum=tensor_checksum)
+
+
+# ---- a small function, each call wrapped in the engine's context -----------------------------
+_CTX = {"small": (200, 16)}  # calls per step, elements
+
+
+def build_context_loop(size: str, device: torch.device) -> Bench:
+    """``with adaptive_eager():`` around every call of a small function, no module, no optimizer
+    (issue 13: stepping aside at context boundaries). The program enters the engine itself
+    (``Bench.enters_engine``): engine modes do not wrap the step; eager and torch.compile run
+    the bare function."""
+    _seed()
+    calls, numel = _CTX[size]
+    x = torch.randn(numel, device=device)
+    w = torch.randn(numel, device=device)
+    context: list[Any] = []  # the engine's context factory and options, for engine modes
+
+    def small(y: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            y = torch.tanh(y * 0.9 + w) - 0.1 * y
+        return y
+
+    def step() -> torch.Tensor:
+        out = x
+        if context:
+            enter, options = context
+            for _ in range(calls):
+                with enter(**options):
+                    out = small(x)
+        else:
+            for _ in range(calls):
+                out = small(x)
+        return out
+
+    def enters_engine(options: dict[str, Any]) -> None:
+        import adaptive_eager
+
+        context[:] = [adaptive_eager.adaptive_eager, options]
+
+    return Bench(step=step, checksum=tensor_checksum, enters_engine=enters_engine)
 
 
 # ---- launch-bound loop of tiny ops -----------------------------------------------------------
@@ -211,8 +284,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              ("small", "large"), ("small",), build_adamw_forloop),
     Workload("adamw_foreach", "AdamW step, many small params, foreach=True",
              ("small", "large"), ("small",), build_adamw_foreach),
-    Workload("llama_train", "tiny LlamaForCausalLM training step (AdamW foreach)",
-             ("small", "large"), ("small",), build_llama_train),
+    Workload("llama_train", "LlamaForCausalLM training step from a config (AdamW foreach)",
+             ("small", "mid", "large"), ("small",), build_llama_train),
+    Workload("gpt2_train", "GPT2LMHeadModel training step from a config (AdamW foreach)",
+             ("mid",), ("mid",), build_gpt2_train),
+    Workload("context_loop", "with adaptive_eager() around each call of a small function",
+             ("small",), ("small",), build_context_loop),
     Workload("tiny_ops", "launch-bound loop of tiny elementwise ops",
              ("small", "large"), ("small",), build_tiny_ops),
     Workload("item_loop", "data-dependent loop, .item() + branch every iteration",
@@ -234,8 +311,14 @@ def describe_size(workload: str, size: str) -> str:
     if workload.startswith("adamw"):
         return f"{_ADAM_PARAMS[size]} params"
     if workload == "llama_train":
-        hid, _, layers, _, _, vocab, batch, seq = _LLAMA[size]
-        return f"hidden {hid}, {layers} layers, vocab {vocab}, batch {batch}x{seq}"
+        hid, _, layers, heads, _, vocab, batch, seq = _LLAMA[size]
+        return f"hidden {hid}, {layers} layers, {heads} heads, vocab {vocab}, batch {batch}x{seq}"
+    if workload == "gpt2_train":
+        width, layers, heads, vocab, batch, seq = _GPT2[size]
+        return f"width {width}, {layers} layers, {heads} heads, vocab {vocab}, batch {batch}x{seq}"
+    if workload == "context_loop":
+        calls, numel = _CTX[size]
+        return f"{calls} contexts a step, 20 ops each on {numel} elements"
     if workload == "tiny_ops":
         iters, numel = _TINY[size]
         return f"{iters * 5} ops on {numel} elements"

@@ -171,3 +171,155 @@ def test_plain_eager_while_a_compile_is_in_flight(monkeypatch: pytest.MonkeyPatc
     assert 0 in waiting  # rounds while waiting reached no engine
     torch.testing.assert_close(torch.tensor(losses[:40]), torch.tensor(ref), rtol=1e-4,
                                atol=1e-6)
+
+
+# ---- Note [contexts are rounds]: a context around each call -----------------------------------
+class _GraphProgramBackend:
+    """Programs are the trace graphs themselves (no Inductor): a compile costs nothing, so the
+    trial's mechanics run in a quick test. The program runs eager's own aten kernels."""
+
+    name = "aside-fxgraph"
+    compiles = True
+
+    def options_key(self) -> str:
+        return "aside-fxgraph:1"
+
+    def compile(self, graph: object) -> object:
+        return graph.gm  # type: ignore[attr-defined]
+
+    def serialize(self, program: object) -> bytes:
+        raise RuntimeError("not stored")  # kept in memory only
+
+    def load(self, data: bytes, graph: object) -> object:
+        raise RuntimeError("never stored")
+
+
+@pytest.fixture
+def graph_backend() -> object:
+    from adaptive_eager import backends
+
+    backend = _GraphProgramBackend()
+    backends._instances[backend.name] = backend
+    yield backend
+    backends._instances.pop(backend.name, None)
+
+
+def _small(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    for _ in range(3):
+        x = torch.tanh(x * 0.9 + w) - 0.1 * x
+    return x
+
+
+def _context_calls(calls: int, options: dict, pause: Callable[[], None] | None = None
+                   ) -> tuple[list[torch.Tensor], list[int]]:
+    """Each call of a small function in its own ``with adaptive_eager():`` (no module, no
+    optimizer); returns every result and the ops intercepted so far after each call."""
+    torch.manual_seed(0)
+    x, w = torch.randn(8), torch.randn(8)
+    outs, intercepted = [], []
+    for _ in range(calls):
+        with ae.adaptive_eager(**options):
+            out = _small(x, w)
+            if pause is not None:
+                pause()
+        outs.append(out)
+        intercepted.append(ae.metrics()["ops_intercepted"])
+    return outs, intercepted
+
+
+def _eager_calls(calls: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    x, w = torch.randn(8), torch.randn(8)
+    return [_small(x, w) for _ in range(calls)]
+
+
+def _assert_bitwise(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert type(a) is torch.Tensor or a.dtype == b.dtype  # a value, not a stale wrapper
+        assert torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("slow_side", ["engine", "eager"])
+def test_contexts_are_the_rounds_of_a_trial(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
+                                            graph_backend: object, slow_side: str) -> None:
+    """A program that only enters the context around each call is timed per context and keeps
+    the faster side; results stay eager's, bitwise (the program runs eager's kernels)."""
+    _no_estimate(monkeypatch)
+    options = dict(backend="aside-fxgraph", hot_after=2, compile_async=False,
+                   cache_dir=str(cache_dir), disk_cache=False)
+    outs, intercepted = _context_calls(60, options, _slow_on(slow_side))
+    m = ae.metrics()
+    assert m["trials"] == 1 and m["kept_fused"] + m["kept_replay"] >= 1, m
+    _assert_bitwise(outs, _eager_calls(60))
+    last = intercepted[-1] - intercepted[-2]
+    if slow_side == "engine":
+        assert m["step_asides"] == 1 and last == 0, m  # later contexts push no modes
+    else:
+        assert m["step_asides"] == 0 and last > 0, m
+
+
+def test_aside_between_contexts_then_probes_again(monkeypatch: pytest.MonkeyPatch,
+                                                  cache_dir: Path, graph_backend: object) -> None:
+    """The estimate asks to step aside; the next context end is the safe point. Aside, contexts
+    reach no engine; after probe_every contexts the engine is back, measuring again."""
+    calibrate()
+    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second per op
+    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(compiler, "PROBE_FLUSHES", 5)
+    options = dict(backend="aside-fxgraph", hot_after=2, compile_async=False,
+                   cache_dir=str(cache_dir), disk_cache=False, probe_every=10)
+    outs, intercepted = _context_calls(40, options)
+    m = ae.metrics()
+    assert m["step_asides"] >= 2, m  # aside, probed, aside again
+    _assert_bitwise(outs, _eager_calls(40))
+    per_call = [b - a for a, b in zip(intercepted, intercepted[1:])]
+    first_aside = per_call.index(0)
+    assert per_call[first_aside:first_aside + 9] == [0] * 9, per_call  # 10 contexts aside
+    assert any(n > 0 for n in per_call[first_aside + 9:]), per_call  # then a probe
+
+
+def test_standing_engine_is_per_options_and_forgotten_by_clear_caches(cache_dir: Path) -> None:
+    from adaptive_eager import api
+
+    with ae.adaptive_eager(backend="replay"):
+        first = api._state.engine
+    with ae.adaptive_eager(backend="replay"):
+        assert api._state.engine is first  # kept between contexts with the same options
+        with ae.adaptive_eager(backend="replay", check=True):  # nested: the outer engine
+            assert api._state.engine is first
+    with ae.adaptive_eager(backend="replay", check=True):
+        other = api._state.engine
+        assert other is not first
+    assert not ae.is_enabled() and torch._C._len_torch_dispatch_stack() == 0
+    ae.clear_caches()
+    with ae.adaptive_eager(backend="replay", check=True):
+        assert api._state.engine is not other
+    x = torch.ones(3)
+    with ae.adaptive_eager(backend="replay"):
+        y = x * 2
+    assert torch.equal(y, torch.full((3,), 2.0))
+
+
+def test_run_log_of_many_contexts_is_written_at_exit(tmp_path: Path) -> None:
+    """Contexts write the run log at most every few seconds (Note [cheap contexts]); the rest
+    is written at process exit: the log counts every context's ops."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import torch, adaptive_eager as ae\n"
+        "x = torch.ones(4)\n"
+        "for _ in range(300):\n"
+        "    with ae.adaptive_eager(backend='replay'):\n"
+        "        y = (x + 1) * 2\n")
+    env = {**os.environ, "ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path / "c")}
+    env.pop("ADAPTIVE_EAGER", None)
+    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120)
+    logs = list((tmp_path / "c" / "runs").glob("*.jsonl"))
+    assert len(logs) == 1, logs
+    run = json.loads(logs[0].read_text().splitlines()[0])
+    assert run["metrics"]["ops_intercepted"] == 600, run["metrics"]
