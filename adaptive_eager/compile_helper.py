@@ -10,13 +10,16 @@ import sys
 
 
 def main() -> None:
-    # argv: [-c, package folder, parent pid] from compile_process.helper_command
-    parent = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else None
+    # argv: [-c, package folder, module, function, init, parent pid, nice] from
+    # compile_process.helper_command
+    argv = sys.argv
+    parent = int(argv[5]) if len(argv) > 5 and argv[5].isdigit() else None
+    nice = int(argv[6]) if len(argv) > 6 and argv[6].lstrip("-").isdigit() else None
     if parent is not None and os.getppid() != parent:
         os._exit(0)  # orphaned while starting: nobody to compile for
     from adaptive_eager.compile_process import serve
 
-    serve(parent)
+    serve(parent, nice)
     try:
         sys.stdout.flush()
     except Exception:

@@ -41,8 +41,6 @@ import time
 import traceback
 from typing import IO, Any
 
-import torch
-
 log = logging.getLogger("adaptive_eager")
 
 _HEADER = struct.Struct("<Q")
@@ -80,6 +78,8 @@ def _read(stream: IO[bytes]) -> Any:
 
 
 def _input_spec(x: Any) -> tuple:
+    import torch
+
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:  # lifted Python numbers: cheap to send as they are
             return ("value", x.detach().clone())
@@ -88,6 +88,8 @@ def _input_spec(x: Any) -> tuple:
 
 
 def _example(spec: tuple) -> Any:
+    import torch
+
     if spec[0] == "value":
         return spec[1]
     _, size, stride, dtype, device = spec
@@ -95,6 +97,8 @@ def _example(spec: tuple) -> Any:
 
 
 def _flags() -> dict[str, Any]:
+    import torch
+
     from adaptive_eager.backends.inductor import chosen_kernel_dir
 
     return {"matmul_precision": torch.get_float32_matmul_precision(),
@@ -103,6 +107,8 @@ def _flags() -> dict[str, Any]:
 
 
 def _apply_flags(flags: dict[str, Any]) -> None:
+    import torch
+
     from adaptive_eager.backends.inductor import use_kernel_dir
 
     torch.set_float32_matmul_precision(flags["matmul_precision"])
@@ -111,19 +117,38 @@ def _apply_flags(flags: dict[str, Any]) -> None:
         use_kernel_dir(flags["inductor_cache"])
 
 
-# The helper's first lines, run by ``python -I -c``: adaptive_eager (only it) from the folder the
-# parent loaded it from, appended last so nothing there shadows the standard library.
+# The first lines of a helper or of the compile service, run by ``python -I -c``: adaptive_eager
+# (only it) from the folder the parent loaded it from, appended last so nothing there shadows the
+# standard library. argv: [-c, package folder, module, function, args...]. The package's
+# ``__init__`` runs only where ``import torch`` is wanted anyway (the helper): the service
+# (service.py) is a broker that never imports torch, and starts in a tenth of a second.
 _BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-         "import sys, importlib.machinery as m, importlib.util as u\n"
+         "import sys, importlib, importlib.machinery as m, importlib.util as u\n"
          "s = m.PathFinder.find_spec('adaptive_eager', [sys.argv[1]])\n"
-         "p = u.module_from_spec(s); sys.modules['adaptive_eager'] = p; s.loader.exec_module(p)\n"
-         "from adaptive_eager.compile_helper import main\n"
-         "main()\n")
+         "p = u.module_from_spec(s); sys.modules['adaptive_eager'] = p\n"
+         "if sys.argv[4] == 'init': s.loader.exec_module(p)\n"
+         "getattr(importlib.import_module(sys.argv[2]), sys.argv[3])()\n")
 
 
-def helper_command() -> list[str]:
+def boot_command(module: str, function: str, args: list[str], init: bool = False) -> list[str]:
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [sys.executable, "-I", "-c", _BOOT, package_root, str(os.getpid())]
+    return [sys.executable, "-I", "-c", _BOOT, package_root, module, function,
+            "init" if init else "bare", *args]
+
+
+def helper_command(nice: int | None = None) -> list[str]:
+    """argv[5:]: the parent's pid and the nice level to take."""
+    return boot_command("adaptive_eager.compile_helper", "main",
+                        [str(os.getpid()), str(HELPER_NICE if nice is None else nice)],
+                        init=True)
+
+
+def request_bytes(backend: Any, graph: Any) -> bytes:
+    """What a helper reads for one compile: the backend, the graph with its example inputs as
+    metadata, and the flags that change generated code (pickled; only a helper unpickles it)."""
+    request = (backend, dataclasses.replace(
+        graph, example_inputs=[_input_spec(x) for x in graph.example_inputs]), _flags())
+    return pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class CompileProcess:
@@ -140,13 +165,13 @@ class CompileProcess:
         HelperFailed."""
         if self.broken is not None:
             raise HelperFailed(self.broken)
-        request = (backend, dataclasses.replace(
-            graph, example_inputs=[_input_spec(x) for x in graph.example_inputs]), _flags())
+        request = request_bytes(backend, graph)
         with self._lock:
             try:
                 proc = self._ensure()
                 assert proc.stdin is not None and proc.stdout is not None
-                _write(proc.stdin, request)
+                proc.stdin.write(_HEADER.pack(len(request)) + request)
+                proc.stdin.flush()
                 status, payload, seconds = _read(proc.stdout)
             except Exception as err:  # pipe, pickling, a dead helper
                 if self.broken is None:  # not abandoned at exit: a real failure
@@ -216,7 +241,7 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
-def serve(parent: int | None = None) -> None:
+def serve(parent: int | None = None, nice: int | None = None) -> None:
     """The helper's loop: requests on stdin, answers on the original stdout; returns (quietly)
     when the parent closes the pipe or is gone. ``parent``: the pid that started this helper
     (it may have died while this one was still importing torch)."""
@@ -231,7 +256,7 @@ def serve(parent: int | None = None) -> None:
     if hasattr(os, "nice"):
         # The program comes first: on a busy machine the compile (and the C++ compilers it
         # starts, which inherit this) takes the CPU time the program leaves idle.
-        os.nice(HELPER_NICE)
+        os.nice(HELPER_NICE if nice is None else nice)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # compilers' prints must not corrupt the answers
     inp = sys.stdin.buffer
@@ -248,7 +273,11 @@ def serve(parent: int | None = None) -> None:
 def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     while True:
         try:
-            backend, graph, flags = _read(inp)
+            request = _read(inp)
+            if request[0] == "warm_up":
+                _write(out, warm_up(request[1]))
+                continue
+            backend, graph, flags = request
         except (EOFError, OSError):
             return
         except Exception as err:  # e.g. a backend class this process cannot import
@@ -256,6 +285,7 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
             continue
         start = time.perf_counter()
         try:
+            fast_vec_isa_pick()
             _apply_flags(flags)
             graph.example_inputs = [_example(s) for s in graph.example_inputs]
             program = backend.compile(graph)
@@ -264,3 +294,104 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
             detail = "".join(traceback.format_exception_only(type(err), err)).strip()
             answer = ("error", detail[-2000:], time.perf_counter() - start)
         _write(out, answer)
+
+
+# Note [helper warm-up]
+# Where the seconds of a cold compile went (fresh process, 2 cores, torch 2.13, a 9-op chain):
+# ``import torch`` 2.0 s, ``torch._dynamo`` 1.7 s, ``torch._inductor`` 1.5 s, Inductor's VecISA
+# probe 17-22 s with an empty kernel folder (it builds a test program with g++ for each of the
+# four ISAs the CPU flags list, AMX, AVX512-VNNI, AVX512, AVX2, and dlopens each in a new Python)
+# and 2.0 s with a warm one (the four dlopen probes), then the first graph 2.7 s (0.4 s with its
+# kernels cached). torch.compile's first call pays the same probe. So:
+# * A helper of the compile service imports all of it and runs the probe and one tiny compile
+#   as soon as it starts (``warm_up``), before the first request; the service keeps it for
+#   later requests and processes, so only a service's first compile pays any of this.
+# * The VecISA probe stops at the first ISA that works (``fast_vec_isa_pick``): Inductor uses
+#   only the first valid one when neither ATEN_CPU_CAPABILITY nor ``cpp.simdlen`` is set, so the
+#   choice is the same, at a quarter of the cost. Done in helpers, and in the program before it
+#   loads a program (loading an artifact runs the probe too: 2 s warm, far more with a fresh
+#   kernel folder); torch.compile in the program then gets the same choice, sooner.
+# * Helpers of the service run at nice 0 (SERVICE_HELPER_NICE): a program usually waits, plain
+#   eager (Note [waiting aside]), for the program they compile; the per-process helper keeps
+#   HELPER_NICE.
+
+
+def fast_vec_isa_pick() -> None:
+    """Make Inductor's VecISA pick probe ISAs in order and stop at the first that builds and
+    loads (Note [helper warm-up]). Same choice as Inductor's own; idempotent."""
+    import torch._inductor.cpu_vec_isa as isa_mod
+    from torch._inductor import config as inductor_config
+
+    if getattr(isa_mod, "_ae_fast_pick", False):
+        return
+    isa_mod._ae_fast_pick = True
+    if os.environ.get("ATEN_CPU_CAPABILITY") or inductor_config.cpp.simdlen is not None:
+        return  # Inductor then picks by capability or width from the whole list: keep it
+    full = isa_mod.valid_vec_isa_list
+    if sys.platform != "linux" or not hasattr(isa_mod, "x86_isa_checker"):
+        return
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+
+    import functools
+
+    @functools.cache
+    def first_valid() -> list:
+        flags = isa_mod.x86_isa_checker()
+        for isa in isa_mod.supported_vec_isa_list:
+            if all(flag in flags for flag in str(isa).split()) and isa:
+                return [isa]
+        return []
+
+    first_valid.__wrapped_full__ = full  # type: ignore[attr-defined]
+    isa_mod.valid_vec_isa_list = first_valid
+
+
+def warm_up(kernel_dir: str | None) -> tuple[str, str, float]:
+    """Import Inductor, pick the VecISA and compile one tiny graph (into ``kernel_dir``), so the
+    first real request starts where a later one would (Note [helper warm-up]). The detail says
+    where the seconds went."""
+    start = time.perf_counter()
+    phases: list[str] = []
+
+    def lap(name: str) -> None:
+        nonlocal start
+        now = time.perf_counter()
+        phases.append(f"{name} {now - start:.1f}s")
+        start = now
+
+    total = time.perf_counter()
+    try:
+        import torch
+
+        from adaptive_eager.backends.inductor import ensure_kernel_dir, use_kernel_dir
+
+        if kernel_dir:
+            use_kernel_dir(kernel_dir)
+        import torch._dynamo  # noqa: F401  (Note [compile worker]: dynamo first)
+
+        lap("dynamo")
+        import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.standalone_compile  # noqa: F401
+
+        lap("inductor")
+        fast_vec_isa_pick()
+        ensure_kernel_dir()
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
+        lap("vec_isa")
+
+        def tiny(x: torch.Tensor) -> torch.Tensor:
+            return (x * 2.0 + 1.0).relu()
+
+        gm = torch.fx.symbolic_trace(tiny)
+        with torch.no_grad():
+            torch._inductor.standalone_compile(gm, [torch.zeros(8)],
+                                               dynamic_shapes="from_example_inputs", aot=True)
+        lap("first graph")
+    except Exception as err:  # the warm-up is an optimization: a real compile reports errors
+        return "error", f"{type(err).__name__}: {err}", time.perf_counter() - total
+    return "ok", ", ".join(phases), time.perf_counter() - total

@@ -82,7 +82,8 @@ from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, cache_key, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
 from adaptive_eager.config import Options
-from adaptive_eager.compile_process import HELPER, HelperFailed
+from adaptive_eager.compile_process import HELPER, CompileFailed, HelperFailed, request_bytes
+from adaptive_eager import service as service_mod
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import Trace
 
@@ -93,6 +94,8 @@ MEASURE_RUNS = 3  # timed fused runs before deciding
 MIN_OPS = 2  # a one-op trace has nothing to fuse
 MIN_OBSERVED = 2  # runs whose Python numbers were compared before a trace compiles
 MAX_REBAKES = 2  # recompiles of one trace because a baked-in number changed
+PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
+PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
 RECORD_S = 6e-6  # recording cost per op over eager's; measured at start (calibrate.py)
 REPLAY_EXTRA_S = 3e-6  # op-by-op replay's cost per op over eager's; measured at start too
@@ -279,6 +282,10 @@ class _Worker:
 
 
 WORKER = _Worker()
+# Requests the compile service is answering for this process: id -> (label, cache dir, socket).
+_SERVICE_PENDING: dict[int, tuple[str, str, Any]] = {}
+_SERVICE_LOCK = threading.Lock()
+_service_broken: str | None = None  # why this process stopped using the service (logged once)
 _exit_hook_registered = False
 _imported = False  # the compiler's modules were imported in a program thread
 
@@ -313,8 +320,30 @@ def _register_exit_hook() -> None:
 
 
 def _at_exit() -> None:
-    """The program's main thread ended: drop pending compiles, say so once, do not wait."""
+    """The program's main thread ended: compiles with the service go on there (Note [compile
+    service]); the others are dropped. Say so once each, do not wait."""
     dropped = WORKER.close()
+    with _SERVICE_LOCK:
+        continuing = list(_SERVICE_PENDING.values())
+        _SERVICE_PENDING.clear()
+    for _, _, sock in continuing:
+        try:  # wakes the worker blocked on the answer; the service keeps compiling
+            sock.shutdown(2)
+        except OSError:
+            pass
+    if continuing:
+        n = len(continuing)
+        labels = [c[0] for c in continuing]
+        try:
+            sys.stderr.write(
+                f"adaptive_eager: {n} compile{'s' if n != 1 else ''} continue{'' if n != 1 else 's'}"
+                f" in the compile service ({', '.join(labels[:3])}{', ...' if n > 3 else ''}); "
+                f"the programs land in {continuing[0][1]} for the next run\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+    service_labels = {c[0] for c in continuing}
+    dropped = [d for d in dropped if d not in service_labels]
     if not dropped:
         return
     _abandon_helper()
@@ -346,6 +375,28 @@ def _abandon_helper() -> None:
         HELPER.abandon()
     except Exception:
         pass
+
+
+def _service_failed(why: str) -> None:
+    """The compile service cannot be used by this process: compile in a helper of our own from
+    now on (Note [compile service]); counted, logged once."""
+    global _service_broken
+    M.service_errors += 1
+    if _service_broken is None:
+        _service_broken = why
+        log.warning("adaptive_eager: the compile service is unavailable (%s); compiling in a "
+                    "helper of this process instead", why)
+
+
+def _script_id() -> str:
+    """The program's script, as the statistics name it (prefetch, Note [warm start])."""
+    arg = sys.argv[0] if sys.argv else ""
+    if not arg or arg in ("-c", "-m", "-"):
+        return ""
+    try:
+        return os.path.realpath(arg)
+    except (OSError, ValueError):
+        return ""
 
 
 def _transient(err: BaseException) -> bool:
@@ -385,6 +436,8 @@ class CompileManager:
         self._stored_fused: dict[str, float] = {}  # digest -> fused s of a stored op-by-op
         self._remeasure: set[str] = set()  # digests whose stored op-by-op is being re-measured
         self._here: set[str] = set()  # digests the helper could not take: compiled here
+        self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
+        self._submitted: dict[str, float] = {}  # digest -> when its compile or load began
         if options.disk_cache and self.backend.compiles:
             self.disk = DiskCache.open(resolve_cache_dir(options),
                                        options.cache_size_mb * 1024 * 1024)
@@ -392,6 +445,45 @@ class CompileManager:
             if self.disk is not None and prepare is not None:
                 _import_dynamo_first()  # prepare may import torch._inductor
                 prepare(str(self.disk.directory))
+            if self.disk is not None:
+                self._prefetch()
+
+    # ---- warm start (Note [warm start]) -------------------------------------------------------
+    def _prefetch(self) -> None:
+        """Load, in the worker, the programs this script used in its recent runs, so the first
+        hot run of their traces here runs fused (Note [warm start])."""
+        if WORKER.closed or not _script_id():
+            return
+        try:
+            keys = self.disk.recent_programs(_script_id(), PREFETCH_MAX)
+        except Exception:
+            return
+        if not keys:
+            return
+        self._import_compiler()  # in this (the program's) thread, before the worker loads
+        for key in keys:
+            self._prefetched[key] = WORKER.submit(self._prefetch_one, key)
+
+    def _prefetch_one(self, key: str) -> Any:
+        value = self.disk.get_program(key, torch.__version__)
+        if value is None:
+            return None
+        start = time.perf_counter()
+        with outside_modes(), span("adaptive_eager.load"):
+            program = self.backend.load(value["artifact"], None)
+        M.compile_load_seconds += time.perf_counter() - start
+        M.prefetched += 1
+        return program
+
+    def _take_prefetched(self, key: str) -> Any:
+        """A program prefetched for ``key`` (waiting briefly for its load), or None."""
+        fut = self._prefetched.pop(key, None)
+        if fut is None:
+            return None
+        try:
+            return fut.result(timeout=PREFETCH_WAIT_S)
+        except Exception:  # failed or slow: loaded (or compiled) the ordinary way instead
+            return None
 
     def _import_compiler(self) -> None:
         """Import what compiling and loading need, in the program's thread, before any of it
@@ -410,6 +502,10 @@ class CompileManager:
                     warm_up()
                 if self.backend.name == "inductor":  # what deserializing a program imports
                     import torch._inductor.codegen.wrapper  # noqa: F401
+
+                    from adaptive_eager.compile_process import fast_vec_isa_pick
+
+                    fast_vec_isa_pick()  # loading probes it too (Note [helper warm-up])
             except Exception as err:  # the compile or load that needs it reports it
                 log.info("adaptive_eager: importing the compiler failed: %s", err)
         log.info("adaptive_eager: compiler imported in %.2fs", time.perf_counter() - start)
@@ -542,12 +638,20 @@ class CompileManager:
         entry.graph = g
         entry.program_live = frozenset(live)
         entry.loaded_state = "measuring"
-        if self.disk is not None and not entry.was_hot:
-            self.save_stats(entry, hot=True)  # dropped at exit: the next run compiles it at once
+        if self.disk is not None:  # hot (the next run compiles or loads it at once), and the
+            # program's key for the next run's prefetch (Note [warm start])
+            self.save_stats(entry, hot=True, program_key=self._program_key(entry, g))
+        self._submitted[entry.digest] = time.perf_counter()
         if (self._use_helper(entry) and self.options.compile_async
                 and not distributed.sync_compiles()):  # Note [ranks agree]
-            self._start(entry, self._compile_remote, g, entry,
-                        label=f"trace {entry.digest[:12]} ({g.n_ops} ops)")
+            label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
+            # Sent now, before the compiler's modules are imported here: the service compiles
+            # meanwhile, and the request outlives this process (Note [compile service]).
+            sock = self._send(entry, g, label) if self._use_service(entry) else None
+            if sock is not None:
+                self._start(entry, self._await_service, sock, g, entry, label=label)
+            else:
+                self._start(entry, self._compile_remote, g, entry, label=label)
             return None
         entry.state = "compiling"
         entry.future = None  # nobody else picks it up while this thread compiles
@@ -617,9 +721,14 @@ class CompileManager:
         self._store(entry, g, program, seconds)
         return program, seconds
 
-    def _compile_remote(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
-        """In the worker: the helper compiles; the bytes go to disk first (a process that ends
-        before using them still leaves them for the next run), then load here."""
+    def _compile_remote(self, g: graph_mod.TraceGraph, entry: TraceEntry,
+                        service: bool = True) -> Any:
+        """In the worker: the service or the helper compiles; the bytes go to disk first (a
+        process that ends before using them still leaves them for the next run), then load."""
+        if service and self._use_service(entry):
+            sock = self._send(entry, g, f"trace {entry.digest[:12]} ({g.n_ops} ops)")
+            if sock is not None:
+                return self._await_service(sock, g, entry)
         start = time.perf_counter()
         try:
             data, _ = HELPER.compile(self.backend, g)
@@ -630,10 +739,95 @@ class CompileManager:
         M.compiles += 1  # counted here: a process may end before a flush picks the program up
         M.compile_seconds += seconds
         self._store(entry, g, None, seconds, data)
-        with outside_modes():
+        return self._load_compiled(data, g, entry), seconds
+
+    def _load_compiled(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
+        start = time.perf_counter()
+        with outside_modes(), span("adaptive_eager.load"):
             program = self.backend.load(data, g)
+        M.compile_load_seconds += time.perf_counter() - start
         entry.from_bytes = True
-        return program, seconds
+        self._note_ready(entry)
+        return program
+
+    def _note_ready(self, entry: TraceEntry) -> None:
+        """How long the trace waited, from its submit, for a program (metrics, report)."""
+        began = self._submitted.pop(entry.digest, None)
+        if began is None:
+            return
+        waited = time.perf_counter() - began
+        M.compile_wait_seconds += waited
+        if len(M.program_waits) < 200:
+            M.program_waits[entry.digest[:12]] = round(waited, 3)
+
+    # ---- the compile service (Note [compile service] in service.py) ---------------------------
+    def _use_service(self, entry: TraceEntry) -> bool:
+        """Only the built-in Inductor backend goes to the shared service (a backend defined by
+        one program is that program's code: its own helper runs it), and only with a writable
+        disk cache (the service stores what it compiles there)."""
+        from adaptive_eager.backends.inductor import InductorBackend
+
+        return (self.options.compile_service and _service_broken is None
+                and type(self.backend) is InductorBackend and self.disk is not None
+                and not self.disk.read_only and not entry.in_process)
+
+    def _send(self, entry: TraceEntry, g: graph_mod.TraceGraph, label: str) -> Any:
+        """Hand the compile to the service; the connection to read the answer from, or None
+        (the service is unavailable: counted, logged once, compiled by a helper of ours)."""
+        assert self.disk is not None
+        try:
+            payload = request_bytes(self.backend, g)
+        except Exception:  # not picklable: the helper path reports it as before
+            return None
+        header = {"op": "compile", "key": self._program_key(entry, g), "label": label,
+                  "torch": torch.__version__, "backend": self.backend.name, "n_ops": g.n_ops,
+                  "size_limit": self.options.cache_size_mb * 1024 * 1024, "pid": os.getpid()}
+        try:
+            sock = service_mod.request(self.disk.directory, header, payload,
+                                       idle_s=self.options.service_idle_s)
+        except service_mod.ServiceUnavailable as err:
+            _service_failed(str(err))
+            return None
+        with _SERVICE_LOCK:
+            _SERVICE_PENDING[id(sock)] = (label, str(self.disk.directory), sock)
+        return sock
+
+    def _await_service(self, sock: Any, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
+        """In the worker: the service's answer (the program is on disk by then), then load."""
+        try:
+            header, data = service_mod.recv_msg(sock)
+        except (OSError, EOFError, ValueError) as err:
+            if WORKER.closed:  # the program is exiting: the service goes on without us
+                raise concurrent.futures.CancelledError() from None
+            _service_failed(f"it went away mid-compile ({type(err).__name__}: {err})")
+            return self._compile_remote(g, entry, service=False)
+        finally:
+            with _SERVICE_LOCK:
+                _SERVICE_PENDING.pop(id(sock), None)
+            try:
+                sock.close()
+            except OSError:
+                pass
+        status = header.get("status")
+        M.compile_queued_seconds += float(header.get("queued_s", 0.0) or 0.0)
+        if status == "ok":
+            seconds = float(header.get("compile_s", 0.0) or 0.0)
+            if header.get("shared") or header.get("from_disk"):
+                M.service_shared += 1  # someone else's compile: not one of ours
+            else:
+                M.compiles += 1
+                M.service_compiles += 1
+                M.compile_seconds += seconds
+            self._store(entry, g, None, seconds, data, stored=bool(header.get("stored")))
+            return self._load_compiled(data, g, entry), seconds
+        if status == "error":
+            raise CompileFailed(str(header.get("error", "")))
+        # unusable here, or its helper died: this compile goes to a helper of ours
+        M.helper_errors += 1
+        log.info("adaptive_eager: the compile service could not compile trace %s (%s: %s); "
+                 "compiling it in a helper of this process", entry.digest[:12], status,
+                 str(header.get("error", ""))[:200])
+        return self._compile_remote(g, entry, service=False)
 
     def _finished(self, future: concurrent.futures.Future) -> None:
         """When a compile or load ends (in the worker), even if no flush picks it up (the engine
@@ -821,8 +1015,11 @@ class CompileManager:
                          flags=_flags())
 
     def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
-               seconds: float, data: bytes | None = None) -> None:
+               seconds: float, data: bytes | None = None, stored: bool = False) -> None:
         if self.disk is None or entry.in_process:
+            return
+        if stored:  # the compile service wrote it (Note [compile service])
+            self.save_stats(entry, hot=True, compiled=True, program_key=self._program_key(entry, g))
             return
         try:
             if data is None:
@@ -832,9 +1029,10 @@ class CompileManager:
             M.disk_errors += 1
             log.info("adaptive_eager: program of %s not serializable: %s", entry.digest[:12], err)
             return
-        self.disk.put_program(self._program_key(entry, g), torch.__version__, self.backend.name,
+        key = self._program_key(entry, g)
+        self.disk.put_program(key, torch.__version__, self.backend.name,
                               data, {"n_ops": g.n_ops, "compile_s": seconds})
-        self.save_stats(entry, hot=True, compiled=True)
+        self.save_stats(entry, hot=True, compiled=True, program_key=key)
 
     def _retry_failure(self, failure: dict) -> bool:
         """Whether a failure stored by an earlier process is worth trying again here."""
@@ -890,19 +1088,39 @@ class CompileManager:
             g = graph_mod.build(trace, live, entry.varying)
         except Exception:
             return False
-        value = self.disk.get_program(self._program_key(entry, g), torch.__version__)
-        if value is None:
-            M.disk_misses += 1
-            return False
+        key = self._program_key(entry, g)
+        program = self._take_prefetched(key)
+        if program is not None:
+            M.disk_hits += 1
+        else:
+            value = self.disk.get_program(key, torch.__version__)
+            if value is None:
+                M.disk_misses += 1
+                return False
+            program = self._load_now(value["artifact"], g, entry)
+            if program is None:  # counted and logged: compiled again, at once (it was hot)
+                entry.was_hot = True
+                return False
         entry.graph = g
         entry.program_live = frozenset(live)
-        entry.loaded_state = "measuring"  # measured again here: this process may differ
         entry.decision = (f"{stats['decision']} (loaded)" if stats.get("decision")
                           else "loaded from the disk cache, not measured yet")
-        self._start(entry, self._load, value["artifact"], g, entry)
+        entry.from_bytes = True
+        entry.program = program
+        entry.compile_s = 0.0
+        entry.state = entry.loaded_state = "measuring"  # measured again: this process differs
         return True
 
-    def _load(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
+    def _load_now(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
+        """Note [warm start]
+        A program on disk is loaded at the trace's first run in this process, in the flushing
+        thread, and used by that very run: deserializing an Inductor artifact takes 7-23 ms
+        here (the compiler's modules are imported once before, as for any load). Programs this
+        script used in its recent runs are loaded even earlier, in the worker, from engine start
+        on (``_prefetch``: their keys are in the statistics), so those first runs find them
+        ready. Returns None when the program fails to load (counted in ``disk_errors``)."""
+        self._import_compiler()
+        start = time.perf_counter()
         try:
             with outside_modes(), span("adaptive_eager.load"):
                 program = self.backend.load(data, g)
@@ -910,15 +1128,17 @@ class CompileManager:
             M.disk_errors += 1
             log.warning("adaptive_eager: cached program for %s failed to load (%s); "
                         "compiling it instead", entry.digest[:12], err)
-            if self._use_helper(entry):
-                return self._compile_remote(g, entry)
-            return COMPILE_HERE
+            return None
+        seconds = time.perf_counter() - start
+        M.compile_load_seconds += seconds
         M.disk_hits += 1
-        entry.from_bytes = True
-        return program, 0.0
+        if len(M.program_waits) < 200:
+            M.program_waits[entry.digest[:12]] = round(seconds, 3)
+        return program
 
     def save_stats(self, entry: TraceEntry, hot: bool = False, failure: dict | None = None,
-                   sample: bool = False, compiled: bool = False) -> None:
+                   sample: bool = False, compiled: bool = False,
+                   program_key: str | None = None) -> None:
         """Merge this process's view of the trace into its statistics on disk (Note [persisted
         decisions]): samples accumulate, a failure counts up, a success clears it."""
         if self.disk is None:
@@ -959,11 +1179,19 @@ class CompileManager:
             "compile_s": entry.compile_s or old.get("compile_s", 0.0), "n_ops": entry.n_ops,
             "runs": entry.runs, "error": entry.error, "in_process": entry.in_process,
             "failure": failure, "samples": samples,
+            "program_key": program_key or old.get("program_key"),
+            "script": _script_id() or old.get("script", ""), "used_at": round(time.time(), 1),
         })
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until submitted compiles finish (tests and benchmarks use this)."""
         WORKER.wait(timeout)
+        with STATE_LOCK:
+            pending = [f for f in self.in_flight if not f.done()]
+        if pending:
+            done, not_done = concurrent.futures.wait(pending, timeout)
+            if not_done:
+                raise TimeoutError("compiles still running")
 
 
 _managers: dict[Options, CompileManager] = {}

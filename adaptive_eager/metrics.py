@@ -14,6 +14,8 @@ class Metrics:
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
         "trials", "trials_running", "compile_waits", "layout_fixes", "helper_errors",
+        "service_errors", "service_compiles", "service_shared", "compile_queued_seconds",
+        "compile_load_seconds", "compile_wait_seconds", "prefetched", "program_waits",
     )
 
     def __init__(self) -> None:
@@ -50,6 +52,15 @@ class Metrics:
         self.compile_waits = 0  # times the engine ran plain eager while a compile was in flight
         self.layout_fixes = 0
         self.helper_errors = 0  # the compile helper process failed; compiles moved in-process  # fused outputs copied into the strides eager gives them
+        # issue 12, where the time to a fused program went (Note [compile service])
+        self.service_errors = 0  # the compile service could not be used; compiled here instead
+        self.service_compiles = 0  # compiles the service ran for this process
+        self.service_shared = 0  # answered by the service from another request or from disk
+        self.compile_queued_seconds = 0.0  # waiting in the service's queue (and helper start)
+        self.compile_load_seconds = 0.0  # deserializing programs (compiled or from disk)
+        self.compile_wait_seconds = 0.0  # from a trace's submit to its program being ready
+        self.prefetched = 0  # programs loaded at engine start (hot in earlier runs)
+        self.program_waits: dict[str, float] = {}  # trace -> seconds until its program was ready
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
         self.engine_error_kinds: Counter[str] = Counter()
@@ -58,7 +69,7 @@ class Metrics:
         out: dict[str, Any] = {}
         for name in self.__slots__:
             value = getattr(self, name)
-            out[name] = dict(value) if isinstance(value, Counter) else value
+            out[name] = dict(value) if isinstance(value, (Counter, dict)) else value
         return out
 
 

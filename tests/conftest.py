@@ -53,3 +53,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
     path = tmp_path_factory.mktemp("ae-cache") / "cache"
     monkeypatch.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(path))
     return path
+
+
+@pytest.fixture(autouse=True)
+def _stop_compile_services(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A compile service a test started (Note [compile service]) does not outlive the test: the
+    test's own is stopped, any other exits after 10 idle seconds."""
+    monkeypatch.setenv("ADAPTIVE_EAGER_SERVICE_IDLE_S", "10")
+    yield
+    if (cache_dir / "service" / "sock").exists():
+        from adaptive_eager import service
+
+        service.stop(cache_dir)

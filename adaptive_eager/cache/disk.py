@@ -405,6 +405,32 @@ class DiskCache:
     def put_stats(self, digest: str, stats: dict) -> None:
         self._set(_STATS + digest, dict(stats))
 
+    def recent_programs(self, script: str, limit: int) -> list[str]:
+        """Program keys that runs of ``script`` stored or used, newest first, whose programs are
+        still here (the prefetch at engine start, Note [warm start] in compiler.py). Reads the
+        statistics' JSON headers only."""
+        rows = self._sql("SELECT key, value FROM entries WHERE key LIKE 'stats:%' "
+                         "ORDER BY accessed DESC LIMIT 500")
+        found: list[tuple[float, str]] = []
+        for key, blob in rows:
+            try:
+                stats = self.decode(key, blob, header_only=True)[0]
+            except BadEntry:
+                continue
+            pk = stats.get("program_key")
+            if (isinstance(pk, str) and stats.get("script") == script and stats.get("hot")
+                    and not str(stats.get("decision", "")).startswith("op-by-op")):
+                found.append((float(stats.get("used_at", 0.0) or 0.0), pk))
+        found.sort(reverse=True)
+        keys = []
+        for _, pk in found:
+            if pk not in keys and self._sql("SELECT 1 FROM entries WHERE key = ?",
+                                            (_PROGRAM + pk,)):
+                keys.append(pk)
+            if len(keys) >= limit:
+                break
+        return keys
+
     def quarantine(self, digest: str, reason: str) -> None:
         self._set(_QUARANTINE + digest, {"reason": reason, "when": time.time()})
 
