@@ -66,7 +66,10 @@ def trial_verdict(engine_round: float, eager_round: float) -> str:
     Decisions are per process (per thread, really: each thread times its own rounds). A program
     whose ranks must agree (issue 16) would combine the two medians across ranks here, before
     comparing them, so that every rank steps aside or stays together."""
-    return "engine" if engine_round < TRIAL_MARGIN * eager_round else "eager"
+    from adaptive_eager import distributed  # Note [ranks agree]: the first rank's verdict
+
+    stay = distributed.agree_trial(engine_round < TRIAL_MARGIN * eager_round)
+    return "engine" if stay else "eager"
 
 
 class _StepHook:
