@@ -263,7 +263,8 @@ def agree_trial(stay: bool) -> bool:
 
 # ---- Note [one compile per machine] ---------------------------------------------------------
 # Ranks on one machine that share a cache folder would each compile the same hot trace at the
-# same flush (compiles are synchronous in distributed jobs), on the same cores. Instead the first
+# same flush (with the compile service, Note [compile service], the service de-duplicates them;
+# this is for compiles without it) (compiles are synchronous in distributed jobs), on the same cores. Instead the first
 # rank of the machine to reach the trace (first-writer on the store, topic named by host and
 # cache folder) compiles it and stores the program, as always; the others wait for that program
 # to appear on disk (verified as every disk entry is), then load it. A compile that fails (its failure is on disk), or PEER_WAIT_S
@@ -274,6 +275,9 @@ def _one_compile_per_machine(mgr: Any, entry: Any, trace: Any, live: Any) -> Non
     store = _store()
     if disk is None or store is None or entry.in_process:
         return
+    use_service = getattr(mgr, "_use_service", None)
+    if use_service is not None and use_service(entry):
+        return  # the compile service compiles each key once for every process of the machine
     from adaptive_eager import graph as graph_mod
     import torch
 
