@@ -49,6 +49,99 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _WarmDone(BaseException):
+    """Raised into the script once its step budget is spent (not an Exception: the script's
+    own ``except Exception`` must not swallow it)."""
+
+
+def cmd_warm(ns: argparse.Namespace) -> int:
+    """Run a script under the engine for a bounded number of steps, compile every trace worth
+    compiling (in parallel, in the compile service), wait for them, exit (Note [warm command])."""
+    import runpy
+    import signal
+    import time
+
+    import adaptive_eager as ae
+    from adaptive_eager import compiler
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = {"n": 0}
+
+    def count(*_: Any) -> None:
+        steps["n"] += 1
+        if steps["n"] >= ns.steps:
+            raise _WarmDone()
+
+    def alarm(*_: Any) -> None:
+        raise _WarmDone()
+
+    handle = register_optimizer_step_post_hook(count)
+    if ns.max_seconds:
+        signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, ns.max_seconds)
+    sys.argv = [ns.script, *ns.args]
+    sys.path.insert(0, str(Path(ns.script).resolve().parent))
+    status = 0
+    start = time.perf_counter()
+    options: dict[str, Any] = {"hot_after": 2, "step_aside": False, "compile_async": True}
+    if ns.cache_dir:
+        options["cache_dir"] = ns.cache_dir
+    ae.enable(**options)
+    try:
+        runpy.run_path(ns.script, run_name="__main__")
+    except _WarmDone:
+        pass
+    except SystemExit as err:
+        status = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+    except Exception as err:  # the script failed: what it compiled so far still lands
+        print(f"adaptive-eager warm: the script raised {type(err).__name__}: {err}",
+              file=sys.stderr)
+        status = 1
+    finally:
+        if ns.max_seconds:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        handle.remove()
+        ran = time.perf_counter() - start
+        try:
+            ae.disable()
+        except Exception as err:
+            print(f"adaptive-eager warm: final flush failed: {err}", file=sys.stderr)
+    futures = [f for m in list(compiler._managers.values()) for f in m.in_flight]
+    _progress(futures, ran, steps["n"])
+    m = ae.metrics()
+    directory = _cache_dir(ns.cache_dir)
+    print(f"adaptive-eager warm: {m['compiles']} compiled, {m['service_shared']} compiled by "
+          f"another process, {m['disk_hits']} already cached, {m['compile_errors']} failed; "
+          f"programs are in {directory} (adaptive-eager cache ls)", file=sys.stderr)
+    return status
+
+
+def _progress(futures: list, ran: float, steps: int) -> None:
+    """Wait for the compiles, with a progress bar on a terminal (a line per compile else)."""
+    import concurrent.futures
+    import time
+
+    total = len(futures)
+    out = sys.stderr
+    tty = getattr(out, "isatty", lambda: False)()
+    out.write(f"adaptive-eager warm: ran {steps} steps in {ran:.1f}s; waiting for {total} "
+              f"compile{'s' if total != 1 else ''}\n")
+    start = time.perf_counter()
+    pending = set(futures)
+    while pending:
+        done, pending = concurrent.futures.wait(pending, timeout=1.0)
+        finished = total - len(pending)
+        elapsed = time.perf_counter() - start
+        if tty:
+            bar = "#" * int(30 * finished / max(total, 1))
+            out.write(f"\r  [{bar:<30}] {finished}/{total} compiled, {elapsed:.0f}s")
+        elif done:
+            out.write(f"  {finished}/{total} compiled, {elapsed:.0f}s\n")
+        out.flush()
+    if tty and total:
+        out.write("\n")
+
+
 def cmd_report(ns: argparse.Namespace) -> int:
     from adaptive_eager.report import build_report, format_report
 
@@ -174,6 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
+    w = sub.add_parser("warm", help="run a script for a few steps and compile its traces ahead "
+                       "of time (the next run starts fused)")
+    w.add_argument("--steps", type=int, default=20,
+                   help="stop the script after this many optimizer steps (default 20)")
+    w.add_argument("--max-seconds", type=float, default=0.0,
+                   help="also stop it after this many seconds (default: no limit)")
+    w.add_argument("--cache-dir", default=None)
+    w.add_argument("script")
+    w.add_argument("args", nargs=argparse.REMAINDER)
+    w.set_defaults(fn=cmd_warm)
     for name, fn, helptext in (("report", cmd_report, "what the cache hit, missed, and why"),
                                ("explain", cmd_explain, "the ops of one trace and its history")):
         s = sub.add_parser(name, help=helptext)
@@ -203,19 +306,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, default_command: str | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if default_command and (not args or args[0] not in (
-            "run", "report", "explain", "cache", "export", "import", "-h", "--help")):
+            "run", "warm", "report", "explain", "cache", "export", "import", "-h", "--help")):
         args = [default_command, *args]
     ns = build_parser().parse_args(args)
     try:
         rc = int(ns.fn(ns) or 0)
-        if ns.fn is not cmd_run:
+        if ns.fn is not cmd_run and ns.fn is not cmd_warm:
             sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
         return rc
     except config.ConfigError as err:
         print(f"adaptive-eager: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        if ns.fn is cmd_run:  # the user's script's own pipe: its error, not ours
+        if ns.fn is cmd_run or ns.fn is cmd_warm:  # the user's script's own pipe
             raise
         return _closed_pipe()
 

@@ -319,7 +319,13 @@ class _Helper:
         import pickle
 
         kernels = self.service.kernel_dir()
-        status, detail, seconds = self.send_raw(pickle.dumps(("warm_up", kernels)))
+        status, detail, seconds = self.send_raw(pickle.dumps(("warm_up", kernels, False)))
+        with self.service.cond:
+            idle = not self.service.queue
+        if idle and status == "ok":  # Inductor's first-graph set-up (precompiled header too),
+            # unless a real compile is waiting: that one pays it with no tiny kernel first
+            status, more, extra = self.send_raw(pickle.dumps(("warm_up", kernels, True)))
+            detail, seconds = f"{detail}, {more.split(', ')[-1]}", seconds + extra
         self.service.note(f"helper {self.proc.pid} warmed up in {seconds:.1f}s ({status}: "
                           f"{str(detail)[:300]})")
 
@@ -467,6 +473,7 @@ class Service:
 
     # ---- connections -------------------------------------------------------------------------
     def handle(self, conn: socket.socket) -> None:
+        op = None
         try:
             if peer_uid(conn) != trust.uid():
                 self.counts["refused"] += 1
@@ -502,8 +509,9 @@ class Service:
                 conn.close()
             except OSError:
                 pass
-            with self.cond:
-                self.last_activity = time.monotonic()
+            if op == "compile":  # status requests do not keep a service alive
+                with self.cond:
+                    self.last_activity = time.monotonic()
 
     def idle(self) -> bool:
         with self.cond:
@@ -548,10 +556,21 @@ def main() -> None:
         sys.stderr.write(f"adaptive_eager service: refusing {cache_dir}: {err}\n")
         os._exit(1)
     lock_fd = trust.open_private(svc.folder, LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os._exit(0)  # another service holds the folder: it serves
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            pass
+        try:  # another service holds the folder: if it listens, it serves
+            _connect_once(svc.folder).close()
+            os._exit(0)
+        except (OSError, ServiceUnavailable):
+            pass  # it is exiting (its socket is gone first): take over once it has
+        if time.monotonic() > deadline:
+            os._exit(1)
+        time.sleep(0.1)
     sock_path = svc.folder / SOCK_NAME
     try:
         st = os.lstat(sock_path)
@@ -575,8 +594,8 @@ def main() -> None:
     try:
         svc.serve(listener)
     finally:
-        try:
-            os.unlink(sock_path)  # before the lock goes: a new service then starts cleanly
+        try:  # first: a client from now on starts a new service, which waits for our lock
+            os.unlink(sock_path)
         except OSError:
             pass
         listener.close()
