@@ -20,7 +20,7 @@ from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
 from adaptive_eager.config import Options
 from adaptive_eager.dispatch.lazy import (
-    CONJ, NEG, LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of,
+    CONJ, NEG, LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of, _set_bits,
     rebind_aliases, resolve_all,
 )
 from adaptive_eager.dispatch.opspec import GRAD_MODE, RANDOM, OpSpec
@@ -43,6 +43,7 @@ _get_ident = threading.get_ident
 _transforms_active = torch._C._are_functorch_transforms_active
 _DisableFuncTorch = torch._C._DisableFuncTorch
 _MISSING = object()
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 _MAX_TRIE_ENTRIES = 100_000  # a program whose traces never repeat must not grow memory forever
 
 
@@ -133,6 +134,20 @@ def _flush_before_handoff(reason: str) -> None:
 # key (its outputs differ). These ops get their own policy (opspec.py); nothing else pays.
 
 
+# Note [hot path costs]
+# Per intercepted op on a known trace (add16 of benchmarks/op_overhead.py, CPython 3.11, torch
+# 2.13 CPU; instructions counted by callgrind, eager's own torch.add = 9.6k): the
+# TorchFunctionMode round trip 9.9k; torch's dispatch-mode plumbing (arguments to Python and
+# back, its per-op torch_dispatch_rule lookup) about 6k; a wrapper-subclass output about 15k all
+# told (6.2k in _make_wrapper_subclass, the rest its instance dict, its weak reference, its
+# deallocation, and torch's __torch_function__ lookups on every later op that takes it); the
+# engine's own Python in this file and dispatch/mode.py about 13k. Shortcuts taken: the key
+# starts with the op's OpSpec (an OpOverload hashes through a Python __hash__, twice per op); the
+# mode reads the spec off the op (``op._ae_spec``); outputs are made inline, from per-Meta
+# wrapper arguments, with class defaults for the attributes a new lazy tensor lacks; ops without
+# kwargs share one empty dict. Together 64.6k -> 53.9k instructions per recorded op.
+
+
 class NeedRun(Exception):
     """Output metadata unknown for this (op, input metadata): run the op once for real."""
 
@@ -196,12 +211,13 @@ class Engine:
                 return self.record(op, spec, args, kwargs, grad)
         try:
             tr = self.trace
-            key: list[Any] = [op]
+            # The key starts with the op's OpSpec, not the op: an OpOverload hashes in Python
+            # (a frame per dict lookup), an OpSpec by identity (Note [hot path costs]).
+            key: list[Any] = [spec]
             ap = key.append
             margs: list[Any] = []
             mp = margs.append
-            sp = spec.scalar_pos
-            structural = spec.structural
+            ext_ids = tr.ext_ids
             n_op = len(tr.ops)
             i = 0
             for a in args:
@@ -216,17 +232,18 @@ class Engine:
                         continue
                     ap(self._external(a, tr))
                 elif t is _Tensor or t is _Parameter:
-                    ap(self._external(a, tr))
+                    idx = ext_ids.get(id(a))
+                    ap(~idx if idx is not None else tr.register(a))
                 elif t is float or t is complex:
-                    if structural:
+                    if spec.structural:
                         ap((t, a))
                     else:
                         ap(t)
                         tr.scalars.append(a)
                 elif t is int or t is bool:
-                    if structural:
+                    if spec.structural:
                         ap((t, a))
-                    elif i in sp:
+                    elif i in spec.scalar_pos:
                         ap(t)
                         tr.scalars.append(a)
                     else:
@@ -263,7 +280,21 @@ class Engine:
                 tr.off_keys.append(key_t)
                 tr.off_outs.append(out_spec)
                 tr.off_where.append(where)
-            out, slots = _outputs(out_spec, args, tr)
+            if type(out_spec) is Meta:  # one new lazy tensor: _outputs inlined
+                slots = tr.n_slots
+                tr.n_slots = slots + 1
+                if slots >= len(SLOTS):
+                    slot_marker(slots)
+                out = _make_wrapper(LazyTensor, *out_spec.wrapper_args)
+                out._ae_trace = tr
+                out._ae_slot = slots
+                out._ae_meta = out_spec
+                if out_spec.bits:
+                    _set_bits(out, out_spec)
+                tr.refs.append(_weakref(out))
+                tr.last.append(-1)
+            else:
+                out, slots = _outputs(out_spec, args, tr)
             if grad is not None:
                 tr.grad_ops[n_op] = grad
             tr.ops.append((op, tuple(margs), kwargs, slots))
@@ -469,7 +500,7 @@ class Engine:
                 return env
         start = time.perf_counter()
         with span("adaptive_eager.replay"):
-            env = replay(tr, live, self.check)
+            env = replay(tr, live, self.check, entry)
         mgr.record_replay(entry, time.perf_counter() - start)
         M.replayed_runs += 1
         return env

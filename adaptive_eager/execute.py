@@ -73,24 +73,91 @@ def _release_plan(trace: Trace, live: list[int]) -> dict[int, list[int]]:
     return plan
 
 
-def replay(trace: Trace, live: list[int], check: bool) -> list:
+def call_plan(trace: Trace) -> list[tuple]:
+    """Note [replay call plan]
+    Per op: the C++ callable behind its OpOverload (``OpOverload.__call__`` is one more Python
+    frame per op), the positions of its top-level arguments that may need resolving (slot
+    markers, and tensors from outside, which may be lazy tensors holding values), and whether it
+    has arguments that need the general walk (lists holding slots or lazy tensors, marked
+    kwargs). Every trace that ends at the same trie node has the same keys, hence the same
+    argument structure: the plan is made once per TraceEntry and reused on every hit."""
+    plan = []
+    for op, args, kwargs, _slots in trace.ops:
+        pos = []
+        simple = True
+        for j, a in enumerate(args):
+            t = type(a)
+            if t is Slot or t is LazyTensor:
+                pos.append(j)
+            elif isinstance(a, _Tensor):
+                pos.append(j)  # external: the same key may see a lazy tensor next run
+            elif (t is list or t is tuple) and _needs_walk(a):
+                simple = False
+        if kwargs and any(_needs_walk(v) for v in kwargs.values()):
+            simple = False
+        plan.append((getattr(op, "_op", op), tuple(pos), simple))
+    return plan
+
+
+def _needs_walk(a: Any) -> bool:
+    t = type(a)
+    if t is Slot or isinstance(a, _Tensor):
+        return True
+    if t is list or t is tuple:
+        return any(_needs_walk(x) for x in a)
+    return False
+
+
+def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> list:
     """Execute every op of ``trace`` in order; return the env of real values by slot."""
     ops = trace.ops
     env: list[Any] = [None] * trace.n_slots
-    plan = _release_plan(trace, live)
+    plan = None
+    if entry is not None:
+        cached = entry.replay_plan
+        if cached is not None and len(cached) == len(ops):
+            plan = cached
+        else:
+            plan = entry.replay_plan = call_plan(trace)
+        key = tuple(live)
+        rel = entry.release_plan
+        if rel is None or rel[0] != key:
+            rel = entry.release_plan = (key, _release_plan(trace, live))
+        release = rel[1]
+    else:
+        plan = call_plan(trace)
+        release = _release_plan(trace, live)
     grad_ops = trace.grad_ops
     i = 0
     with ReplayGuard():
         try:
-            for i, (op, args, kwargs, slots) in enumerate(ops):
+            for i, (call, pos, simple) in enumerate(plan):
+                _op, args, kwargs, slots = ops[i]
+                if simple:
+                    ra = list(args)
+                    for j in pos:
+                        a = ra[j]
+                        t = type(a)
+                        if t is Slot:
+                            ra[j] = env[a.i]
+                        elif t is LazyTensor:
+                            ra[j] = a._ae_real
+                    rk = kwargs
+                else:
+                    ra = _real(args, env)
+                    rk = {k: _real(v, env) for k, v in kwargs.items()}
                 if grad_ops and i in grad_ops:  # Note [grad-mode kernels] in engine.py
                     with torch.set_grad_enabled(grad_ops[i]):
-                        res = op(*_real(args, env),
-                                 **{k: _real(v, env) for k, v in kwargs.items()})
+                        res = call(*ra, **rk)
+                elif rk:
+                    res = call(*ra, **rk)
                 else:
-                    res = op(*_real(args, env), **{k: _real(v, env) for k, v in kwargs.items()})
-                _store(slots, res, env)
-                drop = plan.get(i)
+                    res = call(*ra)
+                if type(slots) is int:
+                    env[slots] = res
+                elif slots is not None:
+                    _store(slots, res, env)
+                drop = release.get(i)
                 if drop is not None:
                     for s in drop:
                         env[s] = None

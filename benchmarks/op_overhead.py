@@ -80,10 +80,34 @@ def mix_program(device: torch.device) -> Program:
     return run
 
 
+MLP_WIDTH, MLP_BATCH = 128, 64
+
+
+def mlp_fb_program(device: torch.device) -> Program:
+    """LayerNorm-Linear-GELU-Linear, forward and backward (issue 13's module workload)."""
+    torch.manual_seed(0)
+    d = MLP_WIDTH
+    model = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d),
+                                torch.nn.GELU(), torch.nn.Linear(4 * d, d)).to(device)
+    x = torch.randn(MLP_BATCH, d, device=device)
+    params = list(model.parameters())
+
+    def run() -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    return run
+
+
 PROGRAMS: dict[str, Callable[[torch.device], Program]] = {
-    "add16": add16_program, "mix": mix_program}
+    "add16": add16_program, "mix": mix_program, "mlp_fb": mlp_fb_program}
 PROGRAM_DOC = {"add16": "200 x torch.add, 16 elements",
-               "mix": "20 x (add mul sin relu view mm view gt where sum div sub), 16 elements"}
+               "mix": "20 x (add mul sin relu view mm view gt where sum div sub), 16 elements",
+               "mlp_fb": (f"LayerNorm-Linear-GELU-Linear forward + backward, batch {MLP_BATCH}, "
+                          f"width {MLP_WIDTH} (hidden {4 * MLP_WIDTH}), grads set to None first")}
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -173,8 +197,10 @@ class PlainSampler(Sampler):
         self.fn = fn
 
     def _replay_calls(self) -> None:
-        for func, args, kwargs in self.calls:
-            func(*args, **kwargs)
+        # below autograd, as the engine's replay runs (the recorded calls are aten's own)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            for func, args, kwargs in self.calls:
+                func(*args, **kwargs)
 
     @contextmanager
     def _context(self) -> Iterator[None]:
@@ -367,7 +393,33 @@ def markdown(header: dict[str, Any], rows: list[Row]) -> str:
         ops = "" if r.ops_per_rep is None else f"{r.ops_per_rep:g}"
         out.append(f"| {r.program} | {r.path} | {_fmt(r.us_per_op)} | {_fmt(r.best_us_per_op)} | "
                    f"{ratio} | {ops} | {r.reps} | {r.note.replace('|', '/')} |")
+    out += ["", "## Issue 13 targets (ratio to eager's per-op time: best / median)", "",
+            "| program | path | target | best | median | met (best) |", "|---|---|---|---|---|---|"]
+    out += [f"| {t[0]} | {t[1]} | {t[2]:g}x | {t[3]} | {t[4]} | {t[5]} |" for t in targets(rows)]
     return "\n".join(out) + "\n"
+
+
+# Issue 13's per-op targets: (program, path, most x eager)
+TARGETS = (("add16", "adaptive_eager hit: record", 3.5), ("mix", "adaptive_eager hit: record", 2.0),
+           ("add16", "adaptive_eager hit: total", 5.0), ("mix", "adaptive_eager hit: total", 3.0),
+           ("mlp_fb", "adaptive_eager hit: total", 2.0))
+
+
+def targets(rows: list[Row]) -> list[tuple[str, str, float, str, str, str]]:
+    """Each target with its measured ratios (best over best, median over median)."""
+    eager = {r.program: r for r in rows if r.path == "eager"}
+    by = {(r.program, r.path): r for r in rows}
+    out = []
+    for program, path, limit in TARGETS:
+        r, e = by.get((program, path)), eager.get(program)
+        if r is None or e is None or not r.best_us_per_op or not e.best_us_per_op:
+            out.append((program, path, limit, "", "", "not measured"))
+            continue
+        best = r.best_us_per_op / e.best_us_per_op
+        med = (r.us_per_op or 0) / (e.us_per_op or 1)
+        out.append((program, path, limit, f"{best:.2f}", f"{med:.2f}",
+                    "yes" if best <= limit else "no"))
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

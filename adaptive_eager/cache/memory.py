@@ -44,7 +44,7 @@ class TraceEntry:
     __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
                  "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
-                 "from_bytes", "in_process", "observed", "rebakes")
+                 "from_bytes", "in_process", "observed", "rebakes", "replay_plan", "release_plan")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -72,6 +72,8 @@ class TraceEntry:
         self.loaded_state = "measuring"  # state once the pending compile or load is done
         self.from_bytes = False  # the program was deserialized (helper process or disk)
         self.in_process = False  # compile here only: its deserialized program failed to run
+        self.replay_plan: list[tuple] | None = None  # Note [replay call plan] in execute.py
+        self.release_plan: tuple | None = None  # (live slots, drops by op) of the last replay
 
     def summary(self) -> dict:
         return {"trace": self.digest, "runs": self.runs, "hits": self.hits, "n_ops": self.n_ops,

@@ -23,12 +23,17 @@ _get_ident = threading.get_ident
 class Meta:
     """Interned tensor metadata: equal metadata is the same object with the same ``mid``."""
 
-    __slots__ = ("size", "stride", "offset", "dtype", "device", "bits", "mid", "key")
+    __slots__ = ("size", "stride", "offset", "dtype", "device", "bits", "mid", "key",
+                 "wrapper_args")
 
     def __init__(self, key: tuple, mid: int) -> None:
         self.key = key
         self.size, self.stride, self.offset, self.dtype, self.device, self.bits = key
         self.mid = mid
+        # _make_wrapper_subclass's arguments after the class, made once per metadata (an
+        # offset of None parses faster than 0 and means 0)
+        self.wrapper_args = (self.size, self.stride, self.offset or None, None, self.dtype,
+                             torch.strided, self.device)
 
     def __repr__(self) -> str:
         return (f"Meta(size={tuple(self.size)}, stride={self.stride}, offset={self.offset}, "
@@ -63,11 +68,12 @@ class ValueUnavailable(RuntimeError):
 
 
 class LazyTensor(torch.Tensor):
-    _ae_real: torch.Tensor | None
     _ae_trace: Any
     _ae_slot: int
     _ae_meta: Meta
-    _ae_error: BaseException | None
+    # Class defaults: a new lazy tensor has neither, and two instance stores fewer per op.
+    _ae_real: torch.Tensor | None = None
+    _ae_error: BaseException | None = None
 
     # Subclass torch-function handling would add a Python call to every op; reads are overridden
     # below instead, and the engine's TorchFunctionMode guards real tensors.
@@ -75,17 +81,13 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, meta: Meta, trace: Any, slot: int) -> LazyTensor:
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, meta.size, meta.stride, meta.offset, None, meta.dtype, torch.strided,
-            meta.device, False, False)
-        t._ae_real = None
+        # engine.record makes its outputs the same way, inlined
+        t = torch.Tensor._make_wrapper_subclass(cls, *meta.wrapper_args)
         t._ae_trace = trace
         t._ae_slot = slot
         t._ae_meta = meta
-        t._ae_error = None
-        if meta.bits:  # a lazy conj/neg view must say so, as eager's would
-            torch._C._set_conj(t, bool(meta.bits & CONJ))
-            torch._C._set_neg(t, bool(meta.bits & NEG))
+        if meta.bits:
+            _set_bits(t, meta)
         return t
 
     def __init__(self, *args: Any) -> None:  # everything happens in __new__
@@ -143,6 +145,12 @@ class LazyTensor(torch.Tensor):
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         return materialize(self).__dlpack__(*args, **kwargs)
+
+
+def _set_bits(t: torch.Tensor, meta: Meta) -> None:
+    """A lazy conj/neg view must say so, as eager's would."""
+    torch._C._set_conj(t, bool(meta.bits & CONJ))
+    torch._C._set_neg(t, bool(meta.bits & NEG))
 
 
 _swap_impl = torch._C._swap_tensor_impl

@@ -30,6 +30,7 @@ _DisableDispatch = torch._C._DisableTorchDispatch
 _T = torch.Tensor
 _transforms_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
+_NO_KWARGS: dict = {}  # the kwargs of every op called without any (nothing writes to it)
 
 
 
@@ -45,22 +46,27 @@ class DeferMode(TorchDispatchMode):
         self.engine = engine
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        spec = SPECS.get(func)
-        if spec is None:
+        try:
+            spec = func._ae_spec  # set by spec_for (Note [hot path costs] in engine.py)
+        except AttributeError:
             spec = spec_for(func)
         M.ops_intercepted += 1
-        if kwargs is None:
-            kwargs = {}
+        if not kwargs:
+            kwargs = _NO_KWARGS  # shared, never written: no dict per op
         eng = self.engine
         policy = spec.policy
         if policy == DEFER:
-            view_arg = spec.view_arg
-            if view_arg is not None and view_arg < len(args):
-                base = args[view_arg]
-                if type(base) is not LazyTensor or base._ae_real is not None:
-                    return eng.run_view(func, spec, args, kwargs)
-            if is_host_scalar_op(args):
-                return eng.run_host_scalar(func, spec, args, kwargs)
+            # A pending lazy first argument (the common case) rules out both early exits when
+            # the op's view base, if any, is that argument.
+            a0 = args[0] if args else None
+            if type(a0) is not LazyTensor or a0._ae_real is not None or spec.view_arg:
+                view_arg = spec.view_arg
+                if view_arg is not None and view_arg < len(args):
+                    base = args[view_arg]
+                    if type(base) is not LazyTensor or base._ae_real is not None:
+                        return eng.run_view(func, spec, args, kwargs)
+                if is_host_scalar_op(args):
+                    return eng.run_host_scalar(func, spec, args, kwargs)
             try:  # defer() inlined: the hot path pays no extra call
                 return eng.record(func, spec, args, kwargs)
             except NeedRun as miss:
@@ -232,13 +238,13 @@ class ReadGuardMode(TorchFunctionMode):
         self.engine = engine
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if kwargs is None:
-            kwargs = {}
         if _transforms_active():
-            return self._in_transform(func, args, kwargs)
+            return self._in_transform(func, args, kwargs or {})
         special = _SPECIAL.get(func)
         if special is None:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs is None:
+            kwargs = {}
         if special is _READ:
             return self._read(func, args, kwargs)
         return _with_eager_backward(func, args, kwargs)

@@ -90,6 +90,14 @@ class OpSpec:
             self.policy, self.reason = GRAD_MODE, "deferred; its kernel reads the grad mode"
         self.host_learns = 0  # host-scalar runs whose metadata was learned (engine.run_host_scalar)
 
+    # A spec stands for its op in trace keys (it hashes by identity, an OpOverload in Python):
+    # it prints as the op, so digests and explanations read the same as with the op itself.
+    def __repr__(self) -> str:
+        return repr(self.op)
+
+    def __str__(self) -> str:
+        return self.name
+
 
 def _return_aliases(schema: torch._C.FunctionSchema) -> tuple[int | None, ...]:
     """For each return, the positional argument it writes to and returns (in-place ops)."""
@@ -221,4 +229,8 @@ def spec_for(op: torch._ops.OpOverload) -> OpSpec:
     spec = SPECS.get(op)
     if spec is None:
         spec = SPECS[op] = OpSpec(op)
+        try:  # the dispatch mode reads it from here: no dict lookup, no Python __hash__
+            op._ae_spec = spec  # type: ignore[union-attr]
+        except AttributeError:  # an op object without a __dict__: the dict lookup serves
+            pass
     return spec
