@@ -262,14 +262,14 @@ def agree_trial(stay: bool) -> bool:
 
 
 # ---- Note [one compile per machine] ---------------------------------------------------------
-# Ranks on one machine that share a cache folder would each compile the same hot trace at the
-# same flush (with the compile service, Note [compile service], the service de-duplicates them;
-# this is for compiles without it) (compiles are synchronous in distributed jobs), on the same cores. Instead the first
-# rank of the machine to reach the trace (first-writer on the store, topic named by host and
-# cache folder) compiles it and stores the program, as always; the others wait for that program
-# to appear on disk (verified as every disk entry is), then load it. A compile that fails (its failure is on disk), or PEER_WAIT_S
-# without a program: the waiting rank compiles itself. It never waits on something that may
-# not happen (the compiling rank posted first, and its compile ends one way or the other).
+# Compiles are synchronous in distributed jobs, so ranks on one machine sharing a cache folder
+# would each compile the same hot trace at the same flush, on the same cores. With the compile
+# service (Note [compile service]) the service de-duplicates them. Without it, the first rank of
+# the machine to reach the trace (first writer on the store, topic named by host, cache folder
+# and program key) compiles and stores the program as always; the others wait for it to appear
+# on disk (verified as every disk entry is) and load it. A compile that fails (its failure is
+# on disk) or PEER_WAIT_S without a program: the waiting rank compiles itself. A compiling rank
+# that dies mid-compile keeps its peers here up to PEER_WAIT_S (Known gaps).
 def _one_compile_per_machine(mgr: Any, entry: Any, trace: Any, live: Any) -> None:
     disk = mgr.disk
     store = _store()

@@ -148,14 +148,19 @@ def _train(cfg: dict, rank: int, world: int) -> dict:
 def _engine_info() -> dict:
     try:
         import adaptive_eager as ae
-        from adaptive_eager import distributed as aed
     except Exception:
         return {}
+    try:
+        from adaptive_eager import distributed as aed
+        dist_stats = aed.stats()
+    except ImportError:  # an engine from before issue 16 (the before/after measurement)
+        dist_stats = {}
     m = ae.metrics()
     return {"metrics": {k: m[k] for k in ("ops_deferred", "compiled_runs", "replayed_runs",
                                           "compiles", "disk_hits", "step_asides", "fallbacks",
                                           "engine_errors", "replay_errors")},
-            "dist": {k: v for k, v in aed.stats().items()}}
+            "dist": dist_stats,
+            "flush_reasons": dict(m["flush_reasons"]), "flushes": m["flushes"]}
 
 
 def _collectives(cfg: dict, rank: int, world: int) -> dict:
