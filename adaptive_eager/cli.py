@@ -55,8 +55,15 @@ class _WarmDone(BaseException):
 
 
 def cmd_warm(ns: argparse.Namespace) -> int:
-    """Run a script under the engine for a bounded number of steps, compile every trace worth
-    compiling (in parallel, in the compile service), wait for them, exit (Note [warm command])."""
+    """Note [warm command]
+    ``adaptive-eager warm SCRIPT`` runs the script under the engine, as ``run`` would, but
+    never stepping aside (so every trace that gets hot is recorded and compiled, none waits
+    aside for another's compile), and stops it after ``--steps`` optimizer steps (or
+    ``--max-seconds``). Its hot traces go to the compile service, which compiles them in
+    parallel (a helper per queued compile, up to the CPU count); the command then waits for
+    all of them with a progress bar and exits. The programs are in the disk cache
+    (``adaptive-eager cache ls``), marked hot, with this script's name: its next run loads
+    them at engine start (Note [warm start] in compiler.py)."""
     import runpy
     import signal
     import time
@@ -83,9 +90,15 @@ def cmd_warm(ns: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(ns.script).resolve().parent))
     status = 0
     start = time.perf_counter()
-    options: dict[str, Any] = {"hot_after": 2, "step_aside": False, "compile_async": True}
+    options: dict[str, Any] = {"step_aside": False, "compile_async": True}
     if ns.cache_dir:
         options["cache_dir"] = ns.cache_dir
+    # The engine's own start-up as in an ordinary run: trace keys name op metadata by the
+    # order this process first saw it (calibration first), so a run that skipped calibration
+    # would key every trace differently from the run this one warms up for.
+    from adaptive_eager.calibrate import calibrate
+
+    calibrate()
     ae.enable(**options)
     try:
         runpy.run_path(ns.script, run_name="__main__")
