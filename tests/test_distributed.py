@@ -216,12 +216,16 @@ def _agree(cfg: dict, rank: int, world: int) -> dict:
     """Every rank proposes its own answer to the same questions; each gets the first one back."""
     from adaptive_eager import distributed as aed
 
-    answers = []
-    for i in range(cfg.get("topics", 50)):
-        if (i + rank) % 2:
-            time.sleep(0.002)  # take turns at being first
-        answers.append(aed.agree(f"test/{i}", f"rank{rank}", default="fixed"))
-    return {"answers": answers, "active": aed.active(), "dist": aed.stats()}
+    import torch.distributed as dist
+
+    n = cfg.get("topics", 50)
+    mine = [i for i in range(n) if i % 2 == rank]  # asked first here, then by the other rank
+    answers = {i: aed.agree(f"test/{i}", f"rank{rank}", default="fixed") for i in mine}
+    dist.barrier()
+    answers.update({i: aed.agree(f"test/{i}", f"rank{rank}", default="fixed")
+                    for i in range(n) if i % 2 != rank})
+    return {"answers": [answers[i] for i in range(n)], "active": aed.active(),
+            "dist": aed.stats()}
 
 
 def _program(cfg: dict) -> Any:
@@ -397,14 +401,15 @@ _TORCHRUN_ENV = {"ADAPTIVE_EAGER": "1"}
 
 
 def test_ranks_agree_first_writer_wins(tmp_path: Path) -> None:
-    """Two ranks propose different answers to the same 50 questions, taking turns at being
-    first: both get the same answer every time (the first proposal), with no waiting."""
+    """Two ranks propose different answers to the same 50 questions, each rank asking half of
+    them first: both get the same answer every time, the first proposal, with no waiting."""
     res = spawn({"model": "agree"}, tmp_path, timeout=90)
     a, b = res[0]["answers"], res[1]["answers"]
     assert res[0]["active"] and res[1]["active"]
-    assert a == b
-    assert set(a) == {"rank0", "rank1"}  # both were first sometimes: a real race, resolved
-    assert res[0]["dist"]["agreed"] == 50 and res[0]["dist"].get("store_errors", 0) == 0
+    assert a == b == [f"rank{i % 2}" for i in range(50)]
+    for r in res:
+        assert r["dist"]["agreed"] == 50 and r["dist"]["overruled"] == 25
+        assert r["dist"].get("store_errors", 0) == 0
 
 
 def test_ddp_mlp_spawn_bitwise(tmp_path: Path) -> None:
