@@ -78,6 +78,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from adaptive_eager.spans import span
 from adaptive_eager import graph as graph_mod
 from adaptive_eager import distributed  # Note [ranks agree]
+from adaptive_eager.cache import remote as remote_cache  # Note [remote program store]
 from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, cache_key, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
@@ -855,6 +856,11 @@ class CompileManager:
         entry.compile_s = seconds
         entry.program = program
         entry.state = entry.loaded_state
+        if (remote_cache.from_env() is not None and self.disk is not None
+                and entry.graph is not None):
+            # Note [remote program store]: what compiled here, to the other machines
+            remote_cache.publish_from(self.disk, self._program_key(entry, entry.graph),
+                                      torch.__version__)
         log.info("adaptive_eager: program for trace %s (%d ops) ready after %.2fs",
                  entry.digest[:12], entry.n_ops, seconds)
         return None
@@ -1094,6 +1100,8 @@ class CompileManager:
             M.disk_hits += 1
         else:
             value = self.disk.get_program(key, torch.__version__)
+            if value is None and remote_cache.fetch_into(self.disk, key, torch.__version__):
+                value = self.disk.get_program(key, torch.__version__)  # the remote store's
             if value is None:
                 M.disk_misses += 1
                 return False
