@@ -291,10 +291,16 @@ class _Helper:
 
     def loop(self) -> None:
         svc = self.service
+        with svc.cond:
+            svc.warming += 1
         try:
             self.warm_up()
         except Exception as err:
             svc.note(f"helper warm-up failed: {type(err).__name__}: {err}")
+        finally:
+            with svc.cond:
+                svc.warming -= 1
+                svc.last_activity = time.monotonic()
         while True:
             job = svc.next_job()
             if job is None:
@@ -356,6 +362,7 @@ class Service:
         self.helpers: list[_Helper] = []
         self.max_helpers = max(1, min(4, os.cpu_count() or 1))
         self.busy = 0  # helpers compiling now
+        self.warming = 0  # helpers still warming up (the service does not idle out meanwhile)
         self.last_activity = time.monotonic()
         self.stopping = False
         self.counts = collections.Counter()
@@ -515,7 +522,7 @@ class Service:
 
     def idle(self) -> bool:
         with self.cond:
-            return (not self.jobs and not self.queue and self.busy == 0
+            return (not self.jobs and not self.queue and self.busy == 0 and not self.warming
                     and time.monotonic() - self.last_activity > self.idle_s)
 
     def shutdown(self) -> None:

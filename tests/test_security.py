@@ -270,13 +270,37 @@ def test_helper_never_imports_modules_planted_in_the_working_folder(
     assert proc.wait(timeout=300) == 0
 
 
+def test_compile_service_never_imports_modules_planted_in_the_working_folder(
+        tmp_path: Path, cache_dir: Path, marker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service (Note [compile service]) and its helpers start ``python -I`` in ``/``."""
+    from adaptive_eager import service
+
+    cwd = tmp_path / "shared-cwd"
+    cwd.mkdir()
+    os.chmod(cwd, 0o777)
+    for name in ("typing_extensions", "sitecustomize", "usercustomize", "numpy", "json",
+                 "xxhash"):
+        (cwd / f"{name}.py").write_text(f"open({str(marker)!r}, 'w').write('{name}')\n")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("PYTHONPATH", str(cwd))
+    service.connect(cache_dir).close()
+    log = cache_dir / "service" / "log"
+    deadline = time.monotonic() + 300  # the helper imports torch and Inductor, then warms up
+    while "warmed up" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "warmed up" in log.read_text() and "(ok" in log.read_text(), log.read_text()
+    assert not marker.exists(), marker.read_text()
+
+
 _ORPHAN = textwrap.dedent("""
     import os, signal, sys, time, torch
     import adaptive_eager as ae
     from adaptive_eager.compile_process import HELPER
     from adaptive_eager.metrics import METRICS
     x = torch.randn(32, 32)
-    with ae.adaptive_eager(hot_after=2, compile_async=True, cache_dir=sys.argv[1]):
+    # the per-process helper (the shared compile service outlives its programs by design)
+    with ae.adaptive_eager(hot_after=2, compile_async=True, cache_dir=sys.argv[1],
+                           compile_service=False):
         for _ in range(4):
             ((x * 1.5).tanh() + x).sum().tolist()
         deadline = time.time() + 120
