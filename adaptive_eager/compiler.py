@@ -791,6 +791,7 @@ class CompileManager:
             return None
         with _SERVICE_LOCK:
             _SERVICE_PENDING[id(sock)] = (label, str(self.disk.directory), sock)
+            M.service_pending += 1
         return sock
 
     def _await_service(self, sock: Any, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
@@ -804,7 +805,8 @@ class CompileManager:
             return self._compile_remote(g, entry, service=False)
         finally:
             with _SERVICE_LOCK:
-                _SERVICE_PENDING.pop(id(sock), None)
+                if _SERVICE_PENDING.pop(id(sock), None) is not None:
+                    M.service_pending = max(M.service_pending - 1, 0)
             try:
                 sock.close()
             except OSError:
@@ -1059,9 +1061,10 @@ class CompileManager:
             entry.decision = "quarantined in an earlier run"
             return True
         stats = self.disk.get_stats(entry.digest)
-        if stats is None:
+        if stats is None and remote_cache.from_env() is None:
             M.disk_misses += 1
             return False
+        stats = stats or {}  # Note [remote program store]: the program may be on the store
         remeasure = entry.digest in self._remeasure
         failure = stats.get("failure")
         retry = bool(failure) and self._retry_failure(failure)

@@ -531,6 +531,132 @@ def test_ddp_four_ranks_torchrun(tmp_path: Path) -> None:
             assert torch.equal(p, r["env"]["params"][name]), name
 
 
+# ==== the remote program store (Note [remote program store] in cache/remote.py) ==============
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Any:
+    """A real redis-server on a free loopback port, stopped at the end of the test."""
+    import shutil
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
+    port = _free_port()
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _key_file(path: Path, secret: bytes = b"k" * 40, mode: int = 0o600) -> Path:
+    path.write_bytes(secret)
+    path.chmod(mode)
+    return path
+
+
+def test_remote_store_verifies_every_entry(redis_url: str, tmp_path: Path) -> None:
+    """A program goes in and comes back; an altered value, one signed with another key, one
+    asked for under another key or torch version, or garbage: refused, never returned."""
+    import redis
+
+    from adaptive_eager.cache import remote
+
+    ours = remote.RemoteCache(redis_url, b"s" * 40)
+    theirs = remote.RemoteCache(redis_url, b"t" * 40)
+    art = bytes(range(256)) * 10
+    assert ours.put_program("k1", torch.__version__, "inductor", art, {"n_ops": 3})
+    assert not ours.put_program("k1", torch.__version__, "inductor", b"other", {})  # first wins
+    got = ours.get_program("k1", torch.__version__)
+    assert got is not None and got["artifact"] == art and got["info"] == {"n_ops": 3}
+    before = remote.STATS["refused"]
+    assert theirs.get_program("k1", torch.__version__) is None  # another key
+    assert ours.get_program("k1", "0.0.0") is None  # another torch
+    client = redis.Redis.from_url(redis_url)
+    value = bytearray(client.get(remote.PREFIX + "k1"))
+    value[200] ^= 1
+    client.set(remote.PREFIX + "k2", bytes(value))
+    assert ours.get_program("k2", torch.__version__) is None  # altered (and for another key)
+    client.set(remote.PREFIX + "k1", bytes(value))
+    assert ours.get_program("k1", torch.__version__) is None  # altered
+    client.set(remote.PREFIX + "k3", b"\x80\x04pickle")
+    assert ours.get_program("k3", torch.__version__) is None  # not ours at all
+    assert remote.STATS["refused"] == before + 5
+    assert ours.get_program("absent", torch.__version__) is None
+
+
+def test_remote_store_needs_a_private_key_file(redis_url: str, tmp_path: Path) -> None:
+    from adaptive_eager.cache import remote
+
+    env = {remote.URL_ENV: redis_url}
+    assert remote.from_env(env) is None  # no key: nothing it returned could be verified
+    env[remote.KEY_ENV] = str(_key_file(tmp_path / "open", mode=0o644))
+    assert remote.from_env(env) is None  # readable by others
+    env[remote.KEY_ENV] = str(_key_file(tmp_path / "short", b"x" * 8))
+    assert remote.from_env(env) is None  # too short
+    env[remote.KEY_ENV] = str(_key_file(tmp_path / "good"))
+    assert remote.from_env(env) is not None
+    assert remote.from_env({}) is None
+
+
+@pytest.mark.slow
+def test_remote_store_serves_another_machines_cache(redis_url: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One "machine" (cache folder A) compiles and publishes; another (empty cache folder B)
+    runs the same training with no compile at all, fused, within tolerance of eager."""
+    import adaptive_eager as ae
+    from adaptive_eager.cache import remote
+
+    monkeypatch.setenv(remote.URL_ENV, redis_url)
+    monkeypatch.setenv(remote.KEY_ENV, str(_key_file(tmp_path / "key")))
+
+    def train(opts: dict | None) -> list[float]:
+        torch.manual_seed(0)
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        ctx = ae.adaptive_eager(**opts) if opts is not None else contextlib.nullcontext()
+        with ctx:
+            for _ in range(8):
+                x, y = _batch("mlp", g)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    eager = train(None)
+    opts = {"compile_async": False, "step_aside": False, "compile_service": False}
+    monkeypatch.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(tmp_path / "A"))
+    train(opts)
+    ma = ae.metrics()
+    assert ma["compiles"] > 0 and remote.STATS["published"] > 0
+    ae.disable()
+    ae.clear_caches()
+    ae.reset_metrics()
+    monkeypatch.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(tmp_path / "B"))
+    got = train(opts)
+    m = ae.metrics()
+    assert m["compiles"] == 0 and m["disk_hits"] > 0 and m["compiled_runs"] > 0, (
+        {k: m[k] for k in ("compiles", "disk_hits", "disk_misses", "compiled_runs")}, remote.stats())
+    assert remote.STATS["hits"] > 0
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.xfail(strict=True, reason="engine: DeferMode handles ops on DTensor arguments itself "
                    "instead of returning NotImplemented for foreign tensor subclasses; "
                    "fully_shard's nn.Parameter(DTensor) then gets a plain tensor from detach() "

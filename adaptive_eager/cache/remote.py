@@ -170,7 +170,7 @@ class RemoteCache:
 
 # ---- the process's store, and the two calls the compile manager makes ------------------------
 _store: RemoteCache | None = None
-_configured: str | None = None  # the URL the store above was made for ("" = none)
+_configured: tuple[str, str] | None = None  # (URL, key file) the store above was made for
 
 
 def from_env(environ: Any = None) -> RemoteCache | None:
@@ -178,13 +178,13 @@ def from_env(environ: Any = None) -> RemoteCache | None:
     global _store, _configured
     env = os.environ if environ is None else environ
     url = env.get(URL_ENV, "").strip()
-    if url == _configured:
+    key_file = env.get(KEY_ENV, "")
+    if (url, key_file) == _configured:
         return _store
-    _configured, _store = url, None
+    _configured, _store = (url, key_file), None
     if not url:
         return None
     try:
-        key_file = env.get(KEY_ENV, "")
         if not key_file:
             raise RemoteError(f"{URL_ENV} is set but {KEY_ENV} is not: entries nobody can "
                               "verify are never trusted")
