@@ -16,6 +16,7 @@ class Metrics:
         "trials", "trials_running", "compile_waits", "layout_fixes", "helper_errors",
         "service_errors", "service_compiles", "service_shared", "compile_queued_seconds",
         "compile_load_seconds", "compile_wait_seconds", "prefetched", "program_waits",
+        "service_pending",
     )
 
     def __init__(self) -> None:
@@ -60,6 +61,7 @@ class Metrics:
         self.compile_load_seconds = 0.0  # deserializing programs (compiled or from disk)
         self.compile_wait_seconds = 0.0  # from a trace's submit to its program being ready
         self.prefetched = 0  # programs loaded at engine start (hot in earlier runs)
+        self.service_pending = 0  # compiles the service is running for us (they outlive us)
         self.program_waits: dict[str, float] = {}  # trace -> seconds until its program was ready
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()

@@ -40,6 +40,16 @@ def summarize_run(records: list[dict]) -> dict:
         "disk_hits": m.get("disk_hits", 0), "disk_errors": m.get("disk_errors", 0),
         "fused_errors": m.get("fused_errors", 0), "compile_errors": m.get("compile_errors", 0),
         "compiles_pending": m.get("compiles_pending", 0),
+        "service_pending": m.get("service_pending", 0),
+        "service_compiles": m.get("service_compiles", 0),
+        "service_shared": m.get("service_shared", 0),
+        "service_errors": m.get("service_errors", 0),
+        "prefetched": m.get("prefetched", 0),
+        "queued_seconds": round(m.get("compile_queued_seconds", 0.0), 3),
+        "load_seconds": round(m.get("compile_load_seconds", 0.0), 3),
+        "wait_seconds": round(m.get("compile_wait_seconds", 0.0), 3),
+        "program_waits": dict(sorted((m.get("program_waits") or {}).items(),
+                                     key=lambda kv: -kv[1])[:10]),
         "changed_misses": sum(r.get("count", 0) for r in misses
                               if r.get("cause") not in _FIRST_SIGHT),
         "fallbacks": m.get("fallbacks", 0), "step_asides": m.get("step_asides", 0),
@@ -146,11 +156,29 @@ def _format_run(r: dict) -> list[str]:
            f"  compiles: {r['compiles']} ({r['compile_seconds']} s), disk hits {r['disk_hits']}, "
            f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x, "
            f"plain eager while compiling {r.get('compile_waits', 0)}x"]
-    faults = [f"{r.get(k, 0)} {k.replace('_', ' ')}" for k in ("compile_errors", "fused_errors")
-              if r.get(k)]
-    if r.get("compiles_pending"):
-        faults.append(f"{r['compiles_pending']} still compiling when the run ended "
+    if r.get("compiles") or r.get("disk_hits") or r.get("service_pending"):
+        # issue 12: where the time to a fused program went
+        line = (f"  time to fused: queued {r.get('queued_seconds', 0.0)} s, compiling "
+                f"{r['compile_seconds']} s, loading {r.get('load_seconds', 0.0)} s, waited "
+                f"{r.get('wait_seconds', 0.0)} s in all")
+        if r.get("service_compiles") or r.get("service_shared"):
+            line += (f"; compile service: {r.get('service_compiles', 0)} compiled for this run, "
+                     f"{r.get('service_shared', 0)} shared with other processes")
+        if r.get("prefetched"):
+            line += f"; {r['prefetched']} prefetched at start"
+        out.append(line)
+        if r.get("program_waits"):
+            out.append("  waited for its program: " + ", ".join(
+                f"{k} {v:.2f} s" for k, v in r["program_waits"].items()))
+    faults = [f"{r.get(k, 0)} {k.replace('_', ' ')}" for k in ("compile_errors", "fused_errors",
+                                                               "service_errors") if r.get(k)]
+    lost = r.get("compiles_pending", 0) - r.get("service_pending", 0)
+    if lost > 0:
+        faults.append(f"{lost} still compiling when the run ended "
                       "(not stored: the next run compiles them again)")
+    if r.get("service_pending"):
+        out.append(f"  {r['service_pending']} compile(s) went on in the compile service after "
+                   "the run: their programs land in the cache for the next run")
     if faults:
         out.append("  faults (results unchanged, ran op by op): " + ", ".join(faults))
     if r["top_traces"]:
