@@ -48,3 +48,17 @@ def test_a_loaded_program_s_decision_reads_as_words() -> None:
                                         "replay_ms": 2.0, "fused_ms": 1.0, "fused_runs": 3}])
     text = "\n".join(_format_run(summarize_run(rec)))
     assert "not measured yet" in text and " (loaded)" not in text
+
+
+def test_time_to_fused_and_compiles_that_went_on_in_the_service_are_shown() -> None:
+    rec = _run({"trace_hits": 4, "trace_misses": 1, "compiles": 1, "compile_seconds": 8.5,
+                "compile_queued_seconds": 12.25, "compile_load_seconds": 0.5,
+                "compile_wait_seconds": 21.5, "service_compiles": 1, "compiles_pending": 1,
+                "service_pending": 1, "program_waits": {"abc123": 21.5}}, [])
+    text = "\n".join(_format_run(summarize_run(rec)))
+    assert ("time to fused: queued 12.25 s, compiling 8.5 s, loading 0.5 s, waited 21.5 s"
+            in text), text
+    assert "compile service: 1 compiled for this run" in text
+    assert "waited for its program: abc123 21.50 s" in text
+    assert "1 compile(s) went on in the compile service after the run" in text
+    assert "still compiling when the run ended" not in text  # not lost: it lands on disk
