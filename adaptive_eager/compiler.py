@@ -283,8 +283,8 @@ class _Worker:
 
 
 WORKER = _Worker()
-# Requests the compile service is answering for this process: id -> (label, cache dir, socket).
-_SERVICE_PENDING: dict[int, tuple[str, str, Any]] = {}
+# Requests the compile service is answering: id -> (label, cache dir, socket, requester pid).
+_SERVICE_PENDING: dict[int, tuple[str, str, Any, int]] = {}
 _SERVICE_LOCK = threading.Lock()
 _service_broken: str | None = None  # why this process stopped using the service (logged once)
 _exit_hook_registered = False
@@ -325,9 +325,10 @@ def _at_exit() -> None:
     service]); the others are dropped. Say so once each, do not wait."""
     dropped = WORKER.close()
     with _SERVICE_LOCK:
-        continuing = list(_SERVICE_PENDING.values())
+        # a forked child's copy names its parent's requests: never shut those sockets down
+        continuing = [v for v in _SERVICE_PENDING.values() if v[3] == os.getpid()]
         _SERVICE_PENDING.clear()
-    for _, _, sock in continuing:
+    for _, _, sock, _ in continuing:
         try:  # wakes the worker blocked on the answer; the service keeps compiling
             sock.shutdown(2)
         except OSError:
@@ -790,7 +791,7 @@ class CompileManager:
             _service_failed(str(err))
             return None
         with _SERVICE_LOCK:
-            _SERVICE_PENDING[id(sock)] = (label, str(self.disk.directory), sock)
+            _SERVICE_PENDING[id(sock)] = (label, str(self.disk.directory), sock, os.getpid())
             M.service_pending += 1
         return sock
 
