@@ -28,9 +28,13 @@ evaluating, a short last batch) proposes into topics nobody else reads and simpl
 answer back; it can never hang, and no collective is issued that the peers would have to match
 (a mismatched collective deadlocks or corrupts the peers' next one). The cost is one store round
 trip per decision (16 us on 127.0.0.1 here), a few per trace over a whole run. The price of not
-waiting: ranks do not pool their measurements (the first rank's timing decides), and a rank whose
-own compile failed where the peers' succeeded runs op by op while they run fused (counted as
-``diverged``, warned once). With no store (a job before ``init_process_group``, or a store
+waiting: ranks do not pool their measurements (the first rank's timing decides). What the store
+cannot make agree: a rank whose own compile or program fails where its peers' work (it runs op
+by op while they run fused; a trace this rank's cache quarantined is counted as ``diverged`` and
+warned once, a failed compile is not detected), and a run whose set of live values differs
+between ranks (the engine decides per run, from weak references, whether the program returns
+every value still referenced; a tensor kept alive a little longer on one rank, by a reference
+cycle the garbage collector has not reached yet, sends that run op by op there). With no store (a job before ``init_process_group``, or a store
 without compare_set) each decision takes a fixed answer that does not depend on timing: look for
 a program, keep it, never step aside.
 
