@@ -191,11 +191,12 @@ def test_compile_failing_in_the_helper_leaves_results_unchanged(
 
 def test_helper_that_dies_moves_compiles_into_this_process(data, cache_dir: Path,
                                                            helper: Any) -> None:
-    run_loop(*data, steps=6, cache_dir=cache_dir)
+    # The per-process helper (compile_service off): the service has its own fallback tests.
+    run_loop(*data, steps=6, cache_dir=cache_dir, compile_service=False)
     helper._proc.kill()
     helper._proc.wait()
     fresh_process()
-    m = run_loop(*data, steps=6, cache_dir=cache_dir, disk_cache=False)
+    m = run_loop(*data, steps=6, cache_dir=cache_dir, disk_cache=False, compile_service=False)
     assert m["helper_errors"] == 1 and m["compiles"] >= 1 and m["compiled_runs"] >= 1, m
     assert helper.broken is not None
 
@@ -313,7 +314,9 @@ _KILLED = textwrap.dedent("""
         return real_sql(self, query, args)
     DiskCache._sql = sql_then_die
     x = torch.ones(8, 8)
-    with ae.adaptive_eager(hot_after=2, compile_async=False, cache_dir=sys.argv[1]):
+    # compile_service off: this process writes the program itself (and dies doing so)
+    with ae.adaptive_eager(hot_after=2, compile_async=False, compile_service=False,
+                           cache_dir=sys.argv[1]):
         for _ in range(6):
             (torch.tanh(x * 1.5 + 0.25) * x - 0.5).sum(0).tolist()
 """)
