@@ -112,11 +112,18 @@ def timed_step(runner: Runner) -> tuple[float, Any]:
 
 
 SETTLE_EXTRA_STEPS = 5  # after compiles finish: the engine times fused runs before keeping them
+SETTLE_MIN_STEPS = 8  # a trace turns hot on its 3rd run and is submitted on the 4th: look later
+SETTLE_QUIET_STEPS = 3  # consecutive steps with nothing pending before timing starts
 
 
 def settle(runner: Runner, max_seconds: float) -> dict[str, Any]:
     """Engine only: keep stepping while background compiles are pending, then a few more steps
-    so that fresh programs are measured and kept (or dropped) before timing starts."""
+    so that fresh programs are measured and kept (or dropped) before timing starts.
+
+    "Nothing pending" must hold for a few consecutive steps: a step's traces are submitted one
+    after another (the short one first), and between one compile's end and the next one's
+    submission the counters read zero. A long trace's compile (minutes for a 500-op training
+    step on a busy machine) is waited for up to ``max_seconds``."""
     if runner.ae is None:
         return {}
     steps = 0
@@ -126,17 +133,20 @@ def settle(runner: Runner, max_seconds: float) -> dict[str, Any]:
         c = runner.counters()
         return c.get("compiles_pending", 0) > 0 or c.get("trials_running", 0) > 0
 
-    while busy() and time.perf_counter() < deadline:
-        timed_step(runner)
-        steps += 1
+    def wait(min_steps: int) -> None:
+        nonlocal steps
+        quiet = 0
+        start = steps
+        while time.perf_counter() < deadline and (quiet < SETTLE_QUIET_STEPS
+                                                  or steps - start < min_steps):
+            timed_step(runner)
+            steps += 1
+            quiet = 0 if busy() else quiet + 1
+
+    wait(SETTLE_MIN_STEPS)
     total = runner.counters()
     if total.get("compiles", 0) or total.get("disk_hits", 0):
-        for _ in range(SETTLE_EXTRA_STEPS):
-            timed_step(runner)
-            steps += 1
-        while busy() and time.perf_counter() < deadline:  # a trial starts once all decided
-            timed_step(runner)
-            steps += 1
+        wait(SETTLE_EXTRA_STEPS)  # programs are timed and kept; then a trial may start
     return {"settle_steps": steps,
             "compiles_pending_at_timing": runner.counters().get("compiles_pending", 0)}
 
