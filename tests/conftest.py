@@ -56,10 +56,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
 
 
 @pytest.fixture(autouse=True)
-def _stop_compile_services(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _stop_compile_services(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                           request: pytest.FixtureRequest) -> Iterator[None]:
     """A compile service a test started (Note [compile service]) does not outlive the test: the
-    test's own is stopped, any other exits after 10 idle seconds."""
+    test's own is stopped, any other exits after 10 idle seconds. Only modules that say
+    ``COMPILE_SERVICE = True`` compile through the service; the others were written for the
+    per-process compile helper (its faults, its exit) and keep it."""
     monkeypatch.setenv("ADAPTIVE_EAGER_SERVICE_IDLE_S", "10")
+    if not getattr(request.module, "COMPILE_SERVICE", False):
+        monkeypatch.setenv("ADAPTIVE_EAGER_COMPILE_SERVICE", "0")
     yield
     if (cache_dir / "service" / "sock").exists():
         from adaptive_eager import service

@@ -19,6 +19,8 @@ import adaptive_eager as ae
 from adaptive_eager.cache.memory import TRIE
 from helpers import train_steps
 
+COMPILE_SERVICE = True  # conftest: compiles go through the compile service
+
 FAST = {"hot_after": 2, "compile_async": False}
 
 

@@ -21,6 +21,8 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager import service
 
+COMPILE_SERVICE = True  # conftest: compiles go through the compile service
+
 _CHAIN = textwrap.dedent("""
     import json, sys, torch
     import adaptive_eager as ae

@@ -20,6 +20,8 @@ import torch
 
 from adaptive_eager import service
 
+COMPILE_SERVICE = True  # conftest: compiles go through the compile service
+
 _TRAIN = textwrap.dedent("""
     import json, torch
     torch.manual_seed(0)
