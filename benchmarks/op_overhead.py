@@ -1,12 +1,14 @@
 """``python -m benchmarks.op_overhead``: what one aten op costs, in µs, on each path it can take.
 
-Two tiny programs (a chain of ``torch.add`` on 16 elements, and a mix of ops) are timed as plain
-eager, under an empty TorchDispatchMode, as bare aten calls from Python (the floor for op-by-op
-replay), and under adaptive_eager (record + replay only): on a trace hit (the same loop repeated;
+Two tiny programs (a chain of ``torch.add`` on 16 elements, and a mix of ops) and a small module
+(LayerNorm-Linear-GELU-Linear, forward and backward) are timed as plain eager, under an empty
+TorchDispatchMode, as bare aten calls from Python below autograd (the floor for op-by-op replay),
+and under adaptive_eager (record + replay only): on a trace hit (the same loop repeated;
 recording and replay timed apart) and on a miss (first sight of every op, after
 ``adaptive_eager.clear_caches()``). The paths are measured in interleaved rounds, so load from other
 work spreads over all of them; the table gives the median and the best repetition. Prints the
-table and writes op_overhead.json and op_overhead.md to the out directory.
+table, issue 13's targets with their measured ratios, and writes op_overhead.json and
+op_overhead.md to the out directory.
 """
 
 from __future__ import annotations
@@ -378,7 +380,8 @@ def markdown(header: dict[str, Any], rows: list[Row]) -> str:
     notes = "; ".join(header["engine_option_notes"])
     out = ["# adaptive_eager per-op overhead", "", f"- Command: `{header['command']}`",
            f"- Machine: {describe(header['machine'])}",
-           (f"- Device: {header['device']}; load average (1/5/15 min) before: "
+           (f"- Device: {header['device']}, {header.get('threads')} torch thread(s); "
+            "load average (1/5/15 min) before: "
             f"{header['load_before']}, after: {header['load_after']}"),
            f"- adaptive_eager options: {header['engine_options']}"
            + (f" ({notes})" if notes else ""),
@@ -430,6 +433,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--miss-reps", type=int, default=20, help="repetitions of the cold path")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1, as issue 13's table: matmul threads spinning "
+                        "on a shared machine make per-op times noise)")
     return p.parse_args(argv)
 
 
@@ -446,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.op_overhead " + shlex.join(
             sys.argv[1:] if argv is None else argv),
         "machine": machine_info(args.device), "device": args.device, "rounds": args.rounds,
-        "load_before": load_average()}
+        "load_before": load_average(), "threads": args.threads}
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="ae-op-overhead-") as cache_dir:
         os.environ["ADAPTIVE_EAGER_CACHE_DIR"] = cache_dir  # never the user's own caches
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
