@@ -448,12 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available (torch.cuda.is_available() is False): skipping.")
         return 0
+    torch.set_num_threads(args.threads)  # before machine_info, which reports it
     header: dict[str, Any] = {
         "command": "python -m benchmarks.op_overhead " + shlex.join(
             sys.argv[1:] if argv is None else argv),
         "machine": machine_info(args.device), "device": args.device, "rounds": args.rounds,
         "load_before": load_average(), "threads": args.threads}
-    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="ae-op-overhead-") as cache_dir:
         os.environ["ADAPTIVE_EAGER_CACHE_DIR"] = cache_dir  # never the user's own caches
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
