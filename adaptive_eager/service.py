@@ -25,6 +25,15 @@ refuses any peer whose SO_PEERCRED uid is not its own (clients check the service
 * An engine that cannot reach or start the service, or whose service dies mid-compile, compiles
   in a helper of its own, as before (``service_errors``, logged once per process).
 The service writes its log to ``<cache>/service/log`` (0600).
+
+Why this shape. A per-process helper that detaches at exit would finish its compile, but each
+process would still pay a fresh helper (imports, VecISA probe, first-graph set-up: 15-30 s here)
+and two processes would compile one key twice. A fork server (a warm zygote forking a child per
+compile) starts compiles fastest, but forks a process whose OpenMP and Inductor worker pools
+may be running. Compiling under a file lock in each program de-duplicates but blocks the
+programs and dies with them. A broker that never imports torch starts in a tenth of a second,
+cannot be steered by what it forwards (it parses JSON headers only), survives its clients, and
+leaves the torch-heavy work to helpers that are the same isolated processes as before.
 """
 
 from __future__ import annotations
