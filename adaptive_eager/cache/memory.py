@@ -24,14 +24,25 @@ from typing import Any
 import torch
 import xxhash
 
+from adaptive_eager.dispatch.lazy import METAS_BY_ID
+
 # What an output of a recorded op is: a Meta (new lazy tensor), an int (the positional argument an
 # in-place op returns), None, or a tuple/list of those.
 OutSpec = Any
 
 
 def stable_repr(key: Any) -> str:
-    """A process-independent text for a key (op names, dtypes, ints; types by name)."""
+    """A process-independent text for a key (op names, dtypes, ints; types by name).
+
+    An external's key part ``('x', meta id, group)`` is written with the metadata itself: meta
+    ids are numbered in the order a process first sees each shape, so two runs of one script
+    that meet shapes in another order (calibration on or off, a different first batch) would
+    otherwise give one trace two digests and miss the disk cache."""
     if isinstance(key, tuple):
+        if len(key) == 3 and key[0] == "x" and type(key[1]) is int:
+            m = METAS_BY_ID[key[1]] if 0 <= key[1] < len(METAS_BY_ID) else None
+            if m is not None:
+                return f"(x,{m.key!r},{key[2]!r})"
         return "(" + ",".join(stable_repr(k) for k in key) + ")"
     if isinstance(key, type):
         return key.__name__
@@ -133,7 +144,7 @@ class TraceTrie:
     def root(self, default_dtype: torch.dtype) -> TrieNode:
         node = self.roots.get(default_dtype)
         if node is None:
-            seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v1 {default_dtype}".encode())
+            seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v2 {default_dtype}".encode())
             node = self.roots[default_dtype] = TrieNode(None, seed, 0)
         return node
 
