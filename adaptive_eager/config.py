@@ -61,6 +61,14 @@ def _parse_str(name: str, raw: str) -> str:
     return value
 
 
+def _parse_redis_url(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{name}={raw!r}: expected redis://host:port/db "
+                          "(or rediss://, unix://)")
+    return value
+
+
 def _parse_nonneg_int(name: str, raw: str) -> int:
     try:
         value = int(raw)
@@ -138,12 +146,24 @@ SETTINGS: tuple[Setting, ...] = (
             "so compiles finish after the program exits (off: a helper of this process)."),
     Setting("service_idle_s", "ADAPTIVE_EAGER_SERVICE_IDLE_S", _int_in(1, 86_400), 120,
             "Seconds the compile service waits with nothing to do before it exits."),
+    # issue 16: the opt-in remote program store (cache/remote.py reads these two)
+    Setting("remote_cache", "ADAPTIVE_EAGER_REMOTE_CACHE", _parse_redis_url, "",
+            "A Redis store shared by machines, redis://host:port/db (unset: none); needs "
+            "ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE."),
+    Setting("remote_cache_key_file", "ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE", _parse_str, "",
+            "A private file (0600, yours, at least 32 bytes) holding the secret that signs "
+            "remote entries; the same file on every machine."),
 )
 
 # The on/off switch for unmodified scripts (read by the torch.backends entry point).
 ENABLE_ENV = "ADAPTIVE_EAGER"
 
 _BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def setting(name: str) -> Setting:
+    """The declaration of one option (its variable, parser, default, help)."""
+    return _BY_NAME[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +187,8 @@ class Options:
     workers: bool = False
     compile_service: bool = True  # issue 12
     service_idle_s: int = 120  # issue 12
+    remote_cache: str = ""  # issue 16
+    remote_cache_key_file: str = ""  # issue 16
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,

@@ -34,10 +34,12 @@ import struct
 import threading
 from typing import Any
 
+from adaptive_eager import config
+
 log = logging.getLogger("adaptive_eager")
 
-URL_ENV = "ADAPTIVE_EAGER_REMOTE_CACHE"
-KEY_ENV = "ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE"
+URL_ENV = config.setting("remote_cache").env  # every variable is declared in config.py
+KEY_ENV = config.setting("remote_cache_key_file").env
 MAGIC = b"AERC1"
 FORMAT = 1
 MIN_SECRET = 32
