@@ -136,7 +136,12 @@ def build_llama_train(size: str, device: torch.device) -> Bench:
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                          max_position_embeddings=seq, use_cache=False)
-    model: torch.nn.Module = LlamaForCausalLM(config)
+    return _lm_train_bench(LlamaForCausalLM(config), vocab, batch, seq, device)
+
+
+def _lm_train_bench(model: torch.nn.Module, vocab: int, batch: int, seq: int,
+                    device: torch.device) -> Bench:
+    """One causal-LM training step (loss on its own input ids), AdamW foreach."""
     model.to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -165,20 +170,7 @@ def build_gpt2_train(size: str, device: torch.device) -> Bench:
     config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers,
                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         use_cache=False)
-    model: torch.nn.Module = GPT2LMHeadModel(config)
-    model.to(device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    ids = torch.randint(0, vocab, (batch, seq), device=device)
-
-    def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return Bench(step=step, checksum=tensor_checksum)
+    return _lm_train_bench(GPT2LMHeadModel(config), vocab, batch, seq, device)
 
 
 # ---- a small function, each call wrapped in the engine's context -----------------------------
