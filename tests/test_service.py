@@ -93,9 +93,10 @@ def test_compile_requested_by_an_exited_process_is_on_disk_for_the_next(
     assert second.returncode == 0, second.stderr[-3000:]
     got = json.loads(second.stdout.splitlines()[-1])
     m = got["m"]
-    # loaded at the trace's first run here, and used by that very run onwards
+    # loaded at the trace's first run here, and used by that very run onwards (fused, fused,
+    # then the paired op-by-op run of its measurement: Note [paired timing])
     assert m["compiles"] == 0 and m["disk_hits"] == 1 and m["fused_errors"] == 0, m
-    assert m["compiled_runs"] >= 3, m
+    assert m["compiled_runs"] >= 2, m
     for out in got["outs"]:
         _close(out, _eager(256))
 

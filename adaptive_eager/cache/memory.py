@@ -55,7 +55,8 @@ class TraceEntry:
     __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
                  "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
-                 "from_bytes", "in_process", "observed", "rebakes", "replay_plan", "release_plan")
+                 "from_bytes", "in_process", "observed", "rebakes", "replay_plan", "release_plan",
+                 "paired_s")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -68,6 +69,7 @@ class TraceEntry:
         self.program_live: frozenset[int] = frozenset()
         self.replay_s: list[float] = []  # recent op-by-op timings
         self.fused_s: list[float] = []  # recent fused timings
+        self.paired_s: list[float] = []  # op-by-op runs between measured fused runs (Note [paired timing])
         self.compile_s = 0.0
         self.decision = ""
         self.future: Any = None
