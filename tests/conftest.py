@@ -70,3 +70,15 @@ def _stop_compile_services(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
         from adaptive_eager import service
 
         service.stop(cache_dir)
+
+
+@pytest.fixture
+def graph_backend() -> Iterator[object]:
+    """``helpers.GraphProgramBackend`` registered under its name for one test."""
+    from adaptive_eager import backends
+    from helpers import GraphProgramBackend
+
+    backend = GraphProgramBackend()
+    backends._instances[backend.name] = backend
+    yield backend
+    backends._instances.pop(backend.name, None)

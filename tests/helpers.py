@@ -74,3 +74,24 @@ def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Ten
         if ctx is not None:
             ctx.__exit__(None, None, None)
     return losses
+
+
+class GraphProgramBackend:
+    """A compiling backend whose programs are the trace graphs themselves (eager's own aten
+    kernels, no Inductor): a compile costs nothing and results stay bitwise eager's, so the
+    mechanics around programs (trials, decisions) run in quick tests."""
+
+    name = "test-fxgraph"
+    compiles = True
+
+    def options_key(self) -> str:
+        return "test-fxgraph:1"
+
+    def compile(self, graph: Any) -> Any:
+        return graph.gm
+
+    def serialize(self, program: Any) -> bytes:
+        raise RuntimeError("not stored")  # kept in memory only
+
+    def load(self, data: bytes, graph: Any) -> Any:
+        raise RuntimeError("never stored")

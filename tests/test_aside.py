@@ -174,36 +174,6 @@ def test_plain_eager_while_a_compile_is_in_flight(monkeypatch: pytest.MonkeyPatc
 
 
 # ---- Note [contexts are rounds]: a context around each call -----------------------------------
-class _GraphProgramBackend:
-    """Programs are the trace graphs themselves (no Inductor): a compile costs nothing, so the
-    trial's mechanics run in a quick test. The program runs eager's own aten kernels."""
-
-    name = "aside-fxgraph"
-    compiles = True
-
-    def options_key(self) -> str:
-        return "aside-fxgraph:1"
-
-    def compile(self, graph: object) -> object:
-        return graph.gm  # type: ignore[attr-defined]
-
-    def serialize(self, program: object) -> bytes:
-        raise RuntimeError("not stored")  # kept in memory only
-
-    def load(self, data: bytes, graph: object) -> object:
-        raise RuntimeError("never stored")
-
-
-@pytest.fixture
-def graph_backend() -> object:
-    from adaptive_eager import backends
-
-    backend = _GraphProgramBackend()
-    backends._instances[backend.name] = backend
-    yield backend
-    backends._instances.pop(backend.name, None)
-
-
 def _small(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for _ in range(3):
         x = torch.tanh(x * 0.9 + w) - 0.1 * x
@@ -246,7 +216,7 @@ def test_contexts_are_the_rounds_of_a_trial(monkeypatch: pytest.MonkeyPatch, cac
     """A program that only enters the context around each call is timed per context and keeps
     the faster side; results stay eager's, bitwise (the program runs eager's kernels)."""
     _no_estimate(monkeypatch)
-    options = dict(backend="aside-fxgraph", hot_after=2, compile_async=False,
+    options = dict(backend=graph_backend.name, hot_after=2, compile_async=False,
                    cache_dir=str(cache_dir), disk_cache=False)
     outs, intercepted = _context_calls(60, options, _slow_on(slow_side))
     m = ae.metrics()
@@ -267,7 +237,7 @@ def test_aside_between_contexts_then_probes_again(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second per op
     monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
     monkeypatch.setattr(compiler, "PROBE_FLUSHES", 5)
-    options = dict(backend="aside-fxgraph", hot_after=2, compile_async=False,
+    options = dict(backend=graph_backend.name, hot_after=2, compile_async=False,
                    cache_dir=str(cache_dir), disk_cache=False, probe_every=10)
     # 60 calls: measuring takes 1 + 2 * MEASURE_RUNS runs (Note [paired timing]), a probe ends
     # at the next step-aside check (every 32 flushes)

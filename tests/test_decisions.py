@@ -3,43 +3,11 @@ the same trace, and the keep/drop decision compares those pairs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import backends
 from adaptive_eager.cache.memory import TRIE
 from adaptive_eager.compiler import MEASURE_RUNS
-
-
-class _GraphProgramBackend:
-    """Programs are the trace graphs themselves (eager's aten kernels; no Inductor), so a
-    compile costs nothing and results stay bitwise eager's."""
-
-    name = "decisions-fxgraph"
-    compiles = True
-
-    def options_key(self) -> str:
-        return "decisions-fxgraph:1"
-
-    def compile(self, graph: object) -> object:
-        return graph.gm  # type: ignore[attr-defined]
-
-    def serialize(self, program: object) -> bytes:
-        raise RuntimeError("not stored")
-
-    def load(self, data: bytes, graph: object) -> object:
-        raise RuntimeError("never stored")
-
-
-@pytest.fixture
-def graph_backend() -> Iterator[_GraphProgramBackend]:
-    backend = _GraphProgramBackend()
-    backends._instances[backend.name] = backend
-    yield backend
-    backends._instances.pop(backend.name, None)
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -48,7 +16,7 @@ def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def test_measuring_alternates_fused_and_op_by_op_runs(graph_backend: _GraphProgramBackend
+def test_measuring_alternates_fused_and_op_by_op_runs(graph_backend: object
                                                       ) -> None:
     torch.manual_seed(0)
     x, w = torch.randn(64), torch.randn(64)

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
 from adaptive_eager.dispatch.opspec import (
-    ALLOC, DEFER, INPLACE_VIEW, PASSTHROUGH, RANDOM, SPECS, SYNC, spec_for,
+    ALLOC, DEFER, INPLACE_VIEW, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
 from adaptive_eager.engine import (
     GRAD_MODE, Engine, NeedRun, RunNow, is_user_error,
