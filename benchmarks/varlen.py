@@ -1,0 +1,337 @@
+"""Variable shapes (issue 15): a training step whose sequence length changes every step, and
+``generate()`` with a growing KV cache.
+
+    python -m benchmarks.varlen [--workloads train,generate] [--modes eager,engine,engine_warm,engine_on,torch_compile]
+                                [--steps 200] [--tokens 64] [--out DIR] [--timeout S]
+
+Each (workload, mode) runs in a fresh process, one torch thread. ``engine`` starts with an empty
+cache folder (its own Inductor folder inside it); ``engine_warm`` runs again on that folder
+(what the first run learnt and compiled); ``engine_on`` runs with stepping aside off
+(``ADAPTIVE_EAGER_STEP_ASIDE=0``: no plain-eager steps while a compile is in flight or when
+eager measures faster), which shows what the engine itself hits. ``torch_compile`` compiles the step (or the model's
+forward for generation) with torch.compile's default automatic dynamic shapes, with its own
+fresh Inductor folder.
+
+- ``train``: Hugging Face ``GPT2LMHeadModel`` from a config (2 layers, width 64, 2 heads, vocab
+  256, no dropout), batch 8, the sequence length drawn uniformly from 16..64 per step (one fixed
+  seed, the same lengths in every mode), AdamW foreach. Per mode: median ms per step after the
+  first 10 steps, and for the engine the trace hit rate after the first 10 steps (flushes that
+  matched a known trace / all flushes), flushes per step, compiles over the run, and how many
+  ops ran inside fused programs. Losses are checked against eager's at every step.
+- ``generate``: a config-built GPT-2 (2 layers, width 64) and Llama (2 layers, hidden 64), a
+  prompt of 8 tokens, 64 new tokens greedy with the KV cache, under ``torch.no_grad()`` and
+  ``torch.inference_mode()``; ms per new token (median of 3 generations after one warm-up) and
+  the engine's hit rate; generated tokens are checked against eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_STEPS_SKIP = 10  # steps before the hit rate and the per-step time are counted
+
+
+def _gpt2(width: int = 64, layers: int = 2, heads: int = 2, vocab: int = 256,
+          positions: int = 128) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers,
+                     n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def _llama(hidden: int = 64, layers: int = 2, heads: int = 2, vocab: int = 256) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 44,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _engine_context(mode: str) -> Any:
+    import contextlib
+
+    if not mode.startswith("engine"):
+        return contextlib.nullcontext()
+    import adaptive_eager
+
+    return adaptive_eager.adaptive_eager()
+
+
+def _snapshot() -> dict[str, Any]:
+    try:
+        import adaptive_eager
+    except ImportError:
+        return {}
+    return adaptive_eager.metrics()
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any], name: str) -> Any:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def _engine_summary(start: dict[str, Any], mid: dict[str, Any], end: dict[str, Any],
+                    steps_after: int) -> dict[str, Any]:
+    if not end:
+        return {}
+    flushes = _delta(end, mid, "flushes")
+    hits = _delta(end, mid, "trace_hits")
+    return {
+        "hit_rate": round(hits / flushes, 4) if flushes else None,
+        "flushes_per_step": round(flushes / steps_after, 2) if steps_after else None,
+        "meta_misses_after": _delta(end, mid, "meta_misses"),
+        "compiles": _delta(end, start, "compiles"),
+        "service_compiles": _delta(end, start, "service_compiles"),
+        "disk_hits": _delta(end, start, "disk_hits"),
+        "compiled_runs": _delta(end, start, "compiled_runs"),
+        "ops_fused": _delta(end, start, "ops_fused"),
+        "ops_intercepted_after": _delta(end, mid, "ops_intercepted"),
+        "step_asides": _delta(end, start, "step_asides"),
+        "trials": _delta(end, start, "trials"),
+        "compile_waits": _delta(end, start, "compile_waits"),
+        "ops_intercepted": _delta(end, start, "ops_intercepted"),
+        "engine_errors": _delta(end, start, "engine_errors"),
+    }
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else float("nan")
+
+
+def run_train(mode: str, steps: int) -> dict[str, Any]:
+    import random
+
+    import torch
+
+    model = _gpt2()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    rng = random.Random(1234)
+    gen = torch.Generator().manual_seed(1234)
+    batches = []
+    for _ in range(steps):
+        t = rng.randint(16, 64)
+        batches.append(torch.randint(0, 256, (8, t), generator=gen))
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    fn = torch.compile(step) if mode == "torch_compile" else step
+    times: list[float] = []
+    losses: list[float] = []
+    start = _snapshot() if mode.startswith("engine") else {}
+    mid: dict[str, Any] = {}
+    t_run = time.perf_counter()
+    with _engine_context(mode):
+        for i, ids in enumerate(batches):
+            if i == _STEPS_SKIP and mode.startswith("engine"):
+                mid = _snapshot()
+            t0 = time.perf_counter()
+            loss = fn(ids)
+            losses.append(loss.item())  # the sync point: a real training loop logs its loss
+            times.append(time.perf_counter() - t0)
+    total = time.perf_counter() - t_run
+    end = _snapshot() if mode.startswith("engine") else {}
+    out: dict[str, Any] = {"ms_per_step": round(1e3 * _median(times[_STEPS_SKIP:]), 3),
+                           "mean_ms_per_step": round(1e3 * sum(times[_STEPS_SKIP:])
+                                                     / max(1, len(times) - _STEPS_SKIP), 3),
+                           "first_steps_s": round(sum(times[:_STEPS_SKIP]), 2),
+                           "total_s": round(total, 2), "losses": losses}
+    out.update(_engine_summary(start, mid, end, steps - _STEPS_SKIP))
+    return out
+
+
+def run_generate(mode: str, tokens: int) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    for arch, build in (("gpt2", _gpt2), ("llama", _llama)):
+        model = build()
+        if mode == "torch_compile":
+            model.forward = torch.compile(model.forward)
+        prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(7))
+        for grad_ctx_name, grad_ctx in (("no_grad", torch.no_grad),
+                                        ("inference_mode", torch.inference_mode)):
+            start = _snapshot() if mode.startswith("engine") else {}
+            per_token: list[float] = []
+            seqs: list[list[int]] = []
+            mid: dict[str, Any] = {}
+            with _engine_context(mode), grad_ctx():
+                for rep in range(4):
+                    if rep == 1 and mode.startswith("engine"):
+                        mid = _snapshot()
+                    t0 = time.perf_counter()
+                    seq = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens,
+                                         do_sample=False, use_cache=True, pad_token_id=0)
+                    ids = seq[0].tolist()
+                    dt = time.perf_counter() - t0
+                    if rep:
+                        per_token.append(dt / tokens)
+                    seqs.append(ids)
+            end = _snapshot() if mode.startswith("engine") else {}
+            row: dict[str, Any] = {"ms_per_token": round(1e3 * _median(per_token), 3),
+                                   "tokens": seqs[-1],
+                                   "same_each_time": all(s == seqs[0] for s in seqs)}
+            row.update(_engine_summary(start, mid, end, 3 * tokens))
+            out[f"{arch}/{grad_ctx_name}"] = row
+    return out
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    if args.workload == "train":
+        result = run_train(args.mode, args.steps)
+    else:
+        result = run_generate(args.mode, args.tokens)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run_case(workload: str, mode: str, args: argparse.Namespace, cache: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("ADAPTIVE_EAGER", None)
+    env["OMP_NUM_THREADS"] = "1"
+    if mode.startswith("engine"):
+        env["ADAPTIVE_EAGER_CACHE_DIR"] = str(cache / "engine")
+    if mode == "engine_on":  # the engine kept on: no stepping aside, no eager while compiling
+        env["ADAPTIVE_EAGER_STEP_ASIDE"] = "0"
+    if mode == "torch_compile":
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / f"inductor-{workload}")
+    cmd = [sys.executable, "-m", "benchmarks.varlen", "--child", "--workload", workload,
+           "--mode", mode, "--steps", str(args.steps), "--tokens", str(args.tokens)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.timeout, cwd=Path(__file__).resolve().parent.parent)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+            result["process_s"] = round(wall, 1)
+            return result
+    return {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+
+
+def _check_train(rows: dict[str, dict[str, Any]]) -> None:
+    ref = rows.get("eager", {}).get("losses")
+    for mode, row in rows.items():
+        if ref is None or "losses" not in row:
+            continue
+        diff = max((abs(a - b) for a, b in zip(ref, row["losses"])), default=0.0)
+        row["max_loss_diff_vs_eager"] = diff
+        row.pop("losses")
+
+
+def _check_generate(rows: dict[str, dict[str, Any]]) -> None:
+    ref = rows.get("eager", {})
+    for mode, row in rows.items():
+        for case, r in row.items():
+            if not isinstance(r, dict) or "tokens" not in r:
+                continue
+            want = ref.get(case, {}).get("tokens") if isinstance(ref.get(case), dict) else None
+            r["tokens_equal_eager"] = want is not None and r["tokens"] == want
+    for row in rows.values():
+        for r in row.values():
+            if isinstance(r, dict):
+                r.pop("tokens", None)
+
+
+def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines: list[str] = []
+    train = results.get("train")
+    if train:
+        base = train.get("eager", {}).get("ms_per_step")
+        comp = train.get("torch_compile", {}).get("ms_per_step")
+        lines += ["| train (GPT-2, seq 16-64) | ms/step | vs eager | vs torch.compile | hit rate | "
+                  "flushes/step | compiles | max loss diff |", "|---|---|---|---|---|---|---|---|"]
+        for mode, r in train.items():
+            if "error" in r:
+                lines.append(f"| {mode} | error: {r['error'][:80]} | | | | | | |")
+                continue
+            ms = r["ms_per_step"]
+            lines.append(
+                f"| {mode} | {ms:.1f} | {base / ms:.2f}x | {comp / ms if comp else float('nan'):.2f}x | "
+                f"{r.get('hit_rate', '-')} | {r.get('flushes_per_step', '-')} | "
+                f"{r.get('compiles', '-')} | {r.get('max_loss_diff_vs_eager', '-')} |")
+    gen = results.get("generate")
+    if gen:
+        lines += ["", "| generate (64 tokens) | mode | ms/token | vs eager | hit rate | compiles | "
+                  "tokens equal eager |", "|---|---|---|---|---|---|---|"]
+        cases = sorted({c for r in gen.values() for c in r if isinstance(r.get(c), dict)})
+        for case in cases:
+            base = gen.get("eager", {}).get(case, {}).get("ms_per_token")
+            for mode, row in gen.items():
+                r = row.get(case)
+                if not isinstance(r, dict):
+                    lines.append(f"| {case} | {mode} | error: {str(row.get('error'))[:80]} | | | | |")
+                    continue
+                ms = r["ms_per_token"]
+                lines.append(f"| {case} | {mode} | {ms:.2f} | {base / ms if base else float('nan'):.2f}x | "
+                             f"{r.get('hit_rate', '-')} | {r.get('compiles', '-')} | "
+                             f"{r.get('tokens_equal_eager', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="train,generate")
+    p.add_argument("--modes", default="eager,engine,engine_warm,engine_on,torch_compile")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--out", default=None, help="folder for results.json and table.md")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="ae-varlen-"))
+    try:
+        for workload in args.workloads.split(","):
+            rows: dict[str, dict[str, Any]] = {}
+            for mode in args.modes.split(","):
+                rows[mode] = _run_case(workload, mode, args, tmp)
+                print(f"{workload} {mode}: " + json.dumps(
+                    {k: v for k, v in rows[mode].items() if k not in ("losses",)})[:600],
+                      file=sys.stderr, flush=True)
+            (_check_train if workload == "train" else _check_generate)(rows)
+            results[workload] = rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    table = _table(results)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "table.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
