@@ -104,6 +104,7 @@ NO_REPEAT_FLUSHES = 300  # flushes after which a hit rate under 5% means traces 
 NO_REPEAT_OPS = 5000  # ops after which mostly-new metadata means shapes never settle
 PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
 KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of replay time
+MEASURING_STALE_FLUSHES = 200  # a measuring trace idle this long no longer holds decisions
 TRANSIENT_RETRIES = 3  # later processes that retry a transient failure at once
 RETRY_AFTER_S = 3600.0  # after that, a transient failure is retried once this old
 RECHECK_RATIO = 0.5  # a stored "op-by-op" whose fused time is under this share of our replay
@@ -440,6 +441,7 @@ class CompileManager:
         self._here: set[str] = set()  # digests the helper could not take: compiled here
         self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
         self._submitted: dict[str, float] = {}  # digest -> when its compile or load began
+        self._measuring_since: dict[tuple, int] = {}  # Note [undecided means measuring too]
         if options.disk_cache and self.backend.compiles:
             self.disk = DiskCache.open(resolve_cache_dir(options),
                                        options.cache_size_mb * 1024 * 1024)
@@ -978,10 +980,26 @@ class CompileManager:
                 and M.compiles_pending == 0)
 
     def _undecided_hot(self) -> bool:
-        """A hot trace still on its way to a decision (compiling or being measured)."""
+        """A hot trace still on its way to a decision (compiling or being measured).
+
+        Note [undecided means measuring too]
+        A program that is ready but still being measured is undecided as well: counting only
+        compiles let the estimate step aside on a mid-size GPT-2 step's 18-op trace alone ("1
+        traces measured") while its 464-op step program, loaded from disk, was still being
+        timed, so that program never ran again (issue 13). A measuring trace that stops running (a shape seen
+        once) counts only for MEASURING_STALE_FLUSHES flushes after it was first seen so."""
         from adaptive_eager.cache.memory import TRIE
 
-        return any(e.state == "compiling" for e in TRIE.entry_list[-200:])
+        seen = self._measuring_since
+        for e in TRIE.entry_list[-200:]:
+            if e.state == "compiling":
+                return True
+            if e.state == "measuring":
+                key = (e.digest, e.fused_runs + len(e.paired_s))  # moves on with every timed run
+                since = seen.setdefault(key, self.flushes)
+                if self.flushes - since <= MEASURING_STALE_FLUSHES:
+                    return True
+        return False
 
     def new_probe(self) -> None:
         self.probe_start = self.flushes
