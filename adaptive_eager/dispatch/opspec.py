@@ -10,7 +10,10 @@ PASSTHROUGH  metadata-only or bookkeeping ops (profiler ranges, lift_fresh): run
 INPLACE_VIEW t_/squeeze_/resize_/set_/as_strided_ change a tensor's metadata, which a wrapper can't
              follow lazily (trap 3): flush, run, then refresh the wrapper's sizes.
 SYNC         the result is a Python value or its shape depends on data (item, nonzero): flush.
-FALLBACK     everything the engine does not model (out= variants, non-aten namespaces, storages).
+OUT          out= overloads whose functional overload is deferred: recorded as it, then a copy_
+             into each out, where the call allows (Note [out= ops] in dispatch/outvariant.py).
+FALLBACK     everything the engine does not model (other out= variants, non-aten namespaces,
+             storages).
 
 Note [custom ops]
 A user's own op (``torch.library.custom_op``, or ``torch.library.define`` plus ``register_fake``)
@@ -39,9 +42,9 @@ from typing import Any
 
 import torch
 
-DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK, GRAD_MODE = range(8)
+DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK, GRAD_MODE, OUT = range(9)
 POLICY_NAMES = ("defer", "alloc", "random", "passthrough", "inplace_view", "sync", "fallback",
-                "grad_mode")  # GRAD_MODE: deferred, replayed under its recorded grad mode
+                "grad_mode", "out")  # GRAD_MODE: deferred, replayed under its recorded grad mode
 
 _aten = torch.ops.aten
 GRAD_MODE_OPS = frozenset({_aten.mkldnn_rnn_layer.default})  # kernels that read the grad mode
@@ -67,7 +70,7 @@ class OpSpec:
     """The per-op facts the hot path needs, computed once (see Note [op policy])."""
 
     __slots__ = ("op", "name", "policy", "reason", "scalar_pos", "scalar_kw", "structural",
-                 "ret_alias", "bool_index", "view_arg", "host_learns")
+                 "ret_alias", "bool_index", "view_arg", "host_learns", "functional")
 
     def __init__(self, op: torch._ops.OpOverload) -> None:
         self.op = op
@@ -89,6 +92,12 @@ class OpSpec:
         if self.policy == DEFER and op in GRAD_MODE_OPS:  # Note [grad-mode kernels] in engine.py
             self.policy, self.reason = GRAD_MODE, "deferred; its kernel reads the grad mode"
         self.host_learns = 0  # host-scalar runs whose metadata was learned (engine.run_host_scalar)
+        # OUT: (the functional overload's spec, the out argument names in return order)
+        self.functional: tuple[OpSpec, tuple[str, ...]] | None = None
+        if self.policy == OUT:
+            self.functional = _functional_of(op)
+            if self.functional is None:
+                self.policy, self.reason = FALLBACK, "out= variant without a deferrable functional"
 
     # A spec stands for its op in trace keys (it hashes by identity, an OpOverload in Python):
     # it prints as the op, so digests and explanations read the same as with the op itself.
@@ -143,6 +152,8 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         if _fake_is_data_dependent(op):
             return SYNC, "custom op whose output shape depends on tensor values"
     if any(a.is_out for a in schema.arguments):
+        if ns == "aten" and all(str(a.type) == "Tensor" for a in schema.arguments if a.is_out):
+            return OUT, "out= variant: its functional op, then a copy into the out"
         return FALLBACK, "out= variant (may resize its output)"
     for a in schema.arguments:
         t = str(a.type)
@@ -164,6 +175,33 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         if str(r.type) not in _TENSOR_RETURNS:
             return SYNC, f"returns {r.type}"
     return DEFER, "deferred"
+
+
+def _functional_of(op: torch._ops.OpOverload) -> tuple[OpSpec, tuple[str, ...]] | None:
+    """The deferrable functional overload of an out= op: the overload of the same op whose
+    arguments are the out= op's minus its outs (same names and types) and which returns one
+    tensor per out (Note [out= ops] in dispatch/outvariant.py)."""
+    schema = op._schema
+    outs = tuple(a.name for a in schema.arguments if a.is_out)
+    want = [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+    packet = getattr(torch.ops.aten, schema.name.split("::")[-1], None)
+    if packet is None:
+        return None
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        cs = cand._schema
+        if cand is op or any(a.is_out or (a.alias_info is not None and a.alias_info.is_write)
+                             for a in cs.arguments):
+            continue
+        if [(a.name, str(a.type)) for a in cs.arguments] != want or len(cs.returns) != len(outs):
+            continue
+        if any(str(r.type) != "Tensor" or r.alias_info is not None for r in cs.returns):
+            continue
+        fspec = spec_for(cand)
+        if fspec.policy != DEFER or fspec.view_arg is not None:
+            return None
+        return fspec, outs
+    return None
 
 
 # Namespaces whose ops act outside the tensors they are given (communication, runtime state).
