@@ -14,11 +14,17 @@ Note [measured trial]
 The cost estimate behind stepping aside (compiler.step_aside_reason) under-counts real models:
 recording an op inside a module's forward or autograd's backward costs several times what the
 calibration loop of tiny adds measures. So once the compile manager has settled (every hot trace
-compiled and decided), the engine runs a trial: it times ``TRIAL_TICKS`` rounds under the engine,
-steps aside and times as many rounds of plain eager, and keeps whichever was faster. A round is
-the time between two ticks: the ends of optimizer steps, or, in programs without an optimizer,
-the ends of outermost ``nn.Module`` calls. Programs with neither have no rounds and keep the
-estimate alone. A probe after ``probe_every`` rounds aside starts the question over.
+compiled and decided), the engine runs a trial: rounds alternate between the engine and plain
+eager (E, G, E, G, ...) until each side has ``TRIAL_TICKS`` of them, and the engine stays only if
+the median of the pairs' ratios (engine round / the eager round after it) is under
+``TRIAL_MARGIN``. Timing the two sides in separate phases (8 engine rounds, then 8 eager ones)
+mis-decided on a loaded machine, where load changes over seconds: mid-size Llama kept an engine
+that ran 0.73x eager (issue 13); alternating rounds see the same load, as Note [paired timing]
+does for keep decisions. A round is the time between two ticks: the ends of optimizer steps,
+or, in programs without an optimizer, the ends of outermost ``nn.Module`` calls. Programs with
+neither have no rounds and keep the estimate alone. A probe after ``probe_every`` rounds aside
+starts the question over, and so does a new keep/drop decision after a verdict for the engine
+(the engine the trial timed is not the engine that runs any more).
 
 Note [contexts are rounds]
 A program may wrap each call of a small function in ``with adaptive_eager():`` and never call a
@@ -60,15 +66,15 @@ TRIAL_TICKS = 8  # rounds timed each way in a trial
 TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
 
 
-def trial_verdict(engine_round: float, eager_round: float) -> str:
+def trial_verdict(ratio: float) -> str:
     """The one place a measured trial is decided: "engine" or "eager" (Note [measured trial]).
+    ``ratio`` is the median over paired rounds of engine round / eager round.
 
-    Decisions are per process (per thread, really: each thread times its own rounds). A program
-    whose ranks must agree (issue 16) would combine the two medians across ranks here, before
-    comparing them, so that every rank steps aside or stays together."""
+    Decisions are per process (per thread, really: each thread times its own rounds); in a
+    distributed job every rank takes the first rank's verdict (Note [ranks agree])."""
     from adaptive_eager import distributed  # Note [ranks agree]: the first rank's verdict
 
-    stay = distributed.agree_trial(engine_round < TRIAL_MARGIN * eager_round)
+    stay = distributed.agree_trial(ratio < TRIAL_MARGIN)
     return "engine" if stay else "eager"
 
 
@@ -126,10 +132,11 @@ class Presence:
         # Note [measured trial]
         self.ticks_from: str | None = None  # "step" once an optimizer has stepped
         self.trial: str | None = None  # the side being timed: "engine", "eager" or None
-        self.periods: list[float] = []
+        self.periods: list[float] = []  # engine rounds of the trial
+        self.eager_periods: list[float] = []  # eager rounds, each after an engine round
         self.last_tick: float | None = None
-        self.engine_round: float | None = None
         self.verdict: str | None = None  # the last trial's outcome, until a probe reopens it
+        self.verdict_decisions = 0  # the compile manager's decisions when it was given
         self.waiting = False  # aside until the compiles in flight finish (Note [waiting aside])
         self._depth = 0
         self._tick_hooks: list[Any] = []
@@ -166,7 +173,7 @@ class Presence:
         if (self.contexts > 1 and opts.step_aside and self.ticks_from in (None, "forward")
                 and self.calls_in_context <= 1):
             if self.ticks_from == "forward" and self.trial is not None:
-                self.periods, self.last_tick = [], None  # rounds change meaning: time anew
+                self._time_anew()  # rounds change meaning
             self.ticks_from = "context"
             self._remove_tick_hooks()
         self.calls_in_context = 0
@@ -243,7 +250,7 @@ class Presence:
                 realize_grads(args[0])
         if self.ticks_from != "step":
             if self.trial is not None:
-                self.periods, self.last_tick = [], None  # rounds change meaning: time anew
+                self._time_anew()  # rounds change meaning
             self.ticks_from = "step"
             self._remove_tick_hooks()  # optimizer steps are the rounds from now on
         self._round_ended()
@@ -285,37 +292,54 @@ class Presence:
     # ---- the measured trial (Note [measured trial]) -------------------------------------------
     def start_trial(self) -> None:
         """Called after a flush once the compile manager has settled."""
+        if self.verdict == "engine" and self.trial is None:
+            decisions = len(self.engine.compiler.decided)
+            if decisions != self.verdict_decisions:  # Note [measured trial]: time it again
+                self.verdict = None
         if (self.trial is not None or self.verdict is not None or self.aside
                 or self.pending is not None or not self.active):
             return
-        self.trial, self.periods, self.last_tick = "engine", [], None
+        self.trial = "engine"
+        self._time_anew()
+
+    def _time_anew(self) -> None:
+        self.periods, self.eager_periods, self.last_tick = [], [], None
 
     def _time_round(self) -> None:
+        """At a tick during a trial: note the round that ended, switch sides (Note [measured
+        trial])."""
         now = time.perf_counter()
-        if self.trial == "engine" and self.last_tick is None and not self.periods:
+        if self.last_tick is None and not self.periods and not self.eager_periods \
+                and not M.trials_running:
             M.trials += 1  # counted from the first tick: a program without rounds has no trial
             M.trials_running = 1
         if self.last_tick is not None:
-            self.periods.append(now - self.last_tick)
-        self.last_tick = now
-        if len(self.periods) < TRIAL_TICKS:
-            return
-        measured = _median(self.periods)
-        self.periods, self.last_tick = [], None
-        if self.trial == "engine":
-            self.engine_round = measured
-            self.engine.flush("trial")
-            self.deactivate()
-            self.trial = "eager"
-            self.last_tick = time.perf_counter()
-            return
+            (self.periods if self.trial == "engine" else self.eager_periods).append(
+                now - self.last_tick)
+            if len(self.periods) >= TRIAL_TICKS and len(self.eager_periods) >= TRIAL_TICKS:
+                self._decide_trial()
+                return
+            if self.trial == "engine":
+                self.engine.flush("trial")
+                self.deactivate()
+                self.trial = "eager"
+            else:
+                self.trial = "engine"
+                self.activate()
+        self.last_tick = time.perf_counter()
+
+    def _decide_trial(self) -> None:
+        engine, eager = _median(self.periods), _median(self.eager_periods)
+        ratios = [a / b for a, b in zip(self.periods, self.eager_periods) if b > 0]
+        ratio = _median(ratios) if ratios else float("inf")
+        self._time_anew()
         self.trial = None
         M.trials_running = 0
-        engine = self.engine_round or 0.0
-        detail = f"median round {engine * 1e3:.3f} ms under the engine, {measured * 1e3:.3f} ms " \
-                 "in plain eager"
-        if trial_verdict(engine, measured) == "engine":
+        detail = (f"median round {engine * 1e3:.3f} ms under the engine, {eager * 1e3:.3f} ms "
+                  f"in plain eager, {ratio:.3f}x eager's time over alternating rounds")
+        if trial_verdict(ratio) == "engine":
             self.verdict = "engine"
+            self.verdict_decisions = len(self.engine.compiler.decided)
             self.activate()
             log.info("adaptive_eager: trial: staying in the engine (%s)", detail)
         else:

@@ -110,6 +110,76 @@ def test_trial_keeps_the_faster_side(monkeypatch: pytest.MonkeyPatch, cache_dir:
         assert m["step_asides"] == 0 and last > 0, m  # back in the engine after the trial
 
 
+def _trial_run(steps: int, cache_dir: Path, backend: str,
+               each_step: Callable[[bool, int], None], extra_from: int | None = None
+               ) -> tuple[list[float], list[str]]:
+    """A training loop whose steps call ``each_step(in_engine, trial_round)``; the sides of the
+    trial's rounds come back ("E" engine, "G" plain eager). From step ``extra_from`` on, each
+    step computes one more thing (a new step trace, compiled and decided anew)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+    x, y = torch.randn(5, 6), torch.randn(5, 1)
+    sides: list[str] = []
+    losses: list[float] = []
+    with ae.adaptive_eager(backend=backend, hot_after=2, compile_async=False,
+                           cache_dir=str(cache_dir), disk_cache=False):
+        for i in range(steps):
+            opt.zero_grad()
+            out = model(x)
+            if extra_from is not None and i >= extra_from:
+                out = out + 0.0 * torch.tanh(out)  # same values, a different trace
+            loss = torch.nn.functional.mse_loss(out, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            in_engine = torch._C._len_torch_dispatch_stack() > 0
+            if ae.metrics()["trials_running"]:
+                sides.append("E" if in_engine else "G")
+            each_step(in_engine, len(sides))
+    return losses, sides
+
+
+def test_trial_alternates_rounds_so_a_load_change_cannot_decide(
+        monkeypatch: pytest.MonkeyPatch, cache_dir: Path, graph_backend: object) -> None:
+    """Note [measured trial]: rounds alternate between the engine and plain eager. Here the
+    engine is the faster side (eager rounds take 10 ms longer) and a passing load adds 40 ms to
+    each of the trial's first TRIAL_TICKS rounds: timed in two phases (engine rounds first) the
+    engine would have lost; paired rounds see the same load and keep it."""
+    from adaptive_eager.aside import TRIAL_TICKS
+
+    _no_estimate(monkeypatch)
+    ref, _ = _train(60)
+
+    def each_step(in_engine: bool, trial_round: int) -> None:
+        if 0 < trial_round <= TRIAL_TICKS:
+            time.sleep(0.04)  # the load, on whichever side runs this round
+        if not in_engine:
+            time.sleep(0.01)
+
+    losses, sides = _trial_run(60, cache_dir, graph_backend.name, each_step)
+    m = ae.metrics()
+    assert m["trials"] == 1 and m["step_asides"] == 0, m
+    assert sides == ["E", "G"] * TRIAL_TICKS, sides
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+def test_a_new_decision_after_the_verdict_times_the_engine_again(
+        monkeypatch: pytest.MonkeyPatch, cache_dir: Path, graph_backend: object) -> None:
+    """The engine a trial kept changes when another trace is compiled and decided later (here
+    the step's trace changes at step 40): the trial runs again."""
+    _no_estimate(monkeypatch)
+
+    def each_step(in_engine: bool, trial_round: int) -> None:
+        if not in_engine:
+            time.sleep(0.01)  # the engine stays the faster side
+
+    _trial_run(90, cache_dir, graph_backend.name, each_step, extra_from=40)
+    m = ae.metrics()
+    assert m["trials"] == 2 and m["step_asides"] == 0, m
+    assert m["kept_fused"] + m["kept_replay"] >= 2, m
+
+
 def test_trial_without_an_optimizer_times_outermost_module_calls(
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
     _no_estimate(monkeypatch)
