@@ -159,7 +159,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
     from adaptive_eager.report import build_report, format_report
 
     try:
-        rep = build_report(_cache_dir(ns.cache_dir), run=ns.run, last=ns.last)
+        rep = build_report(_cache_dir(ns.cache_dir), run=ns.run, last=ns.last, job=ns.job)
     except LookupError as err:
         print(f"adaptive-eager: {err}", file=sys.stderr)
         return 2
@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
             g = s.add_mutually_exclusive_group()
             g.add_argument("--run", default=None, help="a run id (or its prefix)")
             g.add_argument("--last", action="store_true", help="only the newest run")
+            g.add_argument("--job", default=None,
+                           help="only the runs of one distributed job: its id (or prefix), "
+                                "or 'last' for the newest job")
         else:
             s.add_argument("trace", help="a trace id (or its prefix)")
     c = sub.add_parser("cache", help="list, clear or prune the disk cache")

@@ -106,12 +106,85 @@ def rank() -> int:
         return 0
 
 
+# Note [job id]
+# ``adaptive-eager report`` groups the run logs of one job's ranks. torchrun's TORCHELASTIC_RUN_ID
+# is "none" unless the job was given ``--rdzv-id`` (or ``--standalone``), and
+# torch.multiprocessing.spawn sets nothing, so neither names a job alone. While the process
+# group is up, the ranks agree on an id through the job's store (the first proposal wins, as for
+# decisions: Note [ranks agree]): torchrun's run id, if it has one, plus a random part, so two
+# jobs never share an id. The id is resolved once, at the first store access (the first
+# decision) or when the run log is written, whichever comes first. A rank that never reaches the
+# store while the group is up (a replay-only run whose log is written after
+# ``destroy_process_group``) records torchrun's id, else ``MASTER_ADDR:MASTER_PORT``
+# (``job_kind`` "address"): the report then groups runs of that address whose times overlap
+# (two jobs cannot hold one port at once).
+_job: tuple[str, str] | None = None  # (id, kind) once agreed
+
+
 def job_id() -> str:
-    """The job's id from torchrun's environment ("" outside torchrun)."""
-    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+    """The job's id, the same on every rank (Note [job id]; "" outside a distributed job)."""
+    return _job_info()[0]
 
 
-def _store() -> Any:
+def _job_info() -> tuple[str, str]:
+    global _job
+    if _job is not None:
+        return _job
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    named = run_id if run_id not in ("", "none") else ""
+    store = _store(resolve_job=False)
+    if store is not None:
+        import uuid
+
+        mine = f"{named or 'job'}-{uuid.uuid4().hex[:12]}"
+        try:
+            got = store.compare_set("job", "", mine)
+            _job = (got.decode() if isinstance(got, bytes) else str(got), "store")
+            return _job
+        except Exception:
+            STATS["store_errors"] += 1
+    if named:
+        return named, "torchrun"
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return (f"{addr}:{port}", "address") if addr and port else ("", "")
+
+
+def run_info() -> dict[str, Any] | None:
+    """What this rank's run log records about its job (None outside a distributed job)."""
+    if not active():
+        return None
+    d = _dist()
+    world = _world_from_env()
+    if d is not None and d.is_initialized():
+        world = d.get_world_size()
+    job, kind = _job_info()
+    try:
+        local = int(os.environ.get("LOCAL_RANK", "-1"))
+    except ValueError:
+        local = -1
+    return {"rank": rank(), "world": world, "local_rank": local, "job": job, "job_kind": kind,
+            "host": socket.gethostname(), "pid": os.getpid(), **STATS}
+
+
+def log_fields() -> dict[str, Any]:
+    """Fields of the run log's head record: this rank's job (``dist``) and the remote store's
+    counters (``remote``), each only when there is something to say."""
+    out: dict[str, Any] = {}
+    try:
+        info = run_info()
+        if info is not None:
+            out["dist"] = info
+        from adaptive_eager.cache import remote
+
+        rs = remote.stats()
+        if rs:
+            out["remote"] = rs
+    except Exception as err:  # a log field must never break the run log
+        log.debug("adaptive_eager: no job fields in the run log: %s", err)
+    return out
+
+
+def _store(resolve_job: bool = True) -> Any:
     """The default process group's store under an ``adaptive_eager/`` prefix, or None."""
     global _store_for
     d = _dist()
@@ -131,6 +204,8 @@ def _store() -> Any:
     except Exception as err:
         _warn_once("store", f"no c10d store to agree through ({err}); ranks use fixed rules")
     _store_for = (group, store)
+    if resolve_job and store is not None:
+        _job_info()  # Note [job id]: while the group is up
     return store
 
 
@@ -305,6 +380,17 @@ def _one_compile_per_machine(mgr: Any, entry: Any, trace: Any, live: Any) -> Non
     start, wall = time.monotonic(), time.time()
     log.info("adaptive_eager: rank %s: waiting for rank %s's program for trace %s", me, who,
              entry.digest[:12])
+    try:
+        _wait_for_peer(entry, disk, key, who, start, wall)
+    finally:
+        STATS["peer_waits"] += 1
+        STATS["peer_wait_ms"] += int((time.monotonic() - start) * 1000)
+
+
+def _wait_for_peer(entry: Any, disk: Any, key: str, who: str, start: float, wall: float,
+                   ) -> None:
+    import torch
+
     while time.monotonic() - start < PEER_WAIT_S:
         try:
             if disk.get_program(key, torch.__version__) is not None:

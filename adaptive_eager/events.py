@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
+from adaptive_eager import distributed
 from adaptive_eager.cache import trust
 
 log = logging.getLogger("adaptive_eager")
@@ -57,6 +58,7 @@ class RunLog:
         out: list[dict] = [{
             "type": "run", "run_id": self.run_id, "start": self.start, "end": time.time(),
             "argv": bounded_argv(sys.argv), "pid": os.getpid(), "metrics": metrics,
+            **distributed.log_fields(),  # a rank's job and remote-store counters (report.py)
         }]
         top = sorted(entries, key=lambda e: e.runs * max(e.n_ops, 1), reverse=True)[:MAX_TRACES]
         for e in top:

@@ -61,6 +61,10 @@ def summarize_run(records: list[dict]) -> dict:
         "first_sight_misses": sum(r.get("count", 0) for r in misses
                                   if r.get("cause") in _FIRST_SIGHT),
         "miss_causes": causes[:30],
+        # Note [job id] in distributed.py: a rank's job, and the remote store's counters
+        "start": head.get("start"), "end": head.get("end"),
+        "compiled_runs": m.get("compiled_runs", 0),
+        "dist": head.get("dist"), "remote": head.get("remote"),
     }
 
 
@@ -101,7 +105,8 @@ def _miss_row(r: dict) -> dict:
             "advice": advice(info, r.get("where") or "")}
 
 
-def build_report(cache_dir: Path, run: str | None = None, last: bool = False) -> dict:
+def build_report(cache_dir: Path, run: str | None = None, last: bool = False,
+                 job: str | None = None) -> dict:
     runs = read_runs(cache_dir)
     if run is not None:
         runs = [r for r in runs if r[0].get("run_id", "").startswith(run)]
@@ -110,7 +115,15 @@ def build_report(cache_dir: Path, run: str | None = None, last: bool = False) ->
     elif last:
         runs = runs[-1:]
     summaries = [summarize_run(r) for r in runs]
-    return {"cache_dir": str(cache_dir), "runs": summaries, "overall": _overall(summaries)}
+    jobs = group_jobs(summaries)
+    if job is not None:  # one job's ranks: an id prefix, or "last" (the newest job)
+        jobs = jobs[-1:] if job == "last" else [j for j in jobs if j["job"].startswith(job)]
+        if not jobs:
+            raise LookupError(f"no distributed job {job!r} in {cache_dir / 'runs'}")
+        ids = {r["run_id"] for j in jobs for r in j["ranks"]}
+        summaries = [r for r in summaries if r["run_id"] in ids]
+    return {"cache_dir": str(cache_dir), "runs": summaries, "jobs": jobs,
+            "overall": _overall(summaries)}
 
 
 def _overall(runs: list[dict]) -> dict:
@@ -131,6 +144,8 @@ def format_report(rep: dict) -> str:
         return "\n".join(lines)
     for r in rep["runs"]:
         lines += _format_run(r)
+    for j in rep.get("jobs", []):
+        lines += format_job(j)
     o = rep["overall"]
     lines.append(f"overall: {o['runs']} runs, trace hit rate {o['trace_hit_rate']}%, "
                  f"{o['fused_share']}% of deferred ops fused, {o['compiles']} compiles "
@@ -181,6 +196,12 @@ def _format_run(r: dict) -> list[str]:
                    "the run: their programs land in the cache for the next run")
     if faults:
         out.append("  faults (results unchanged, ran op by op): " + ", ".join(faults))
+    d = r.get("dist")
+    if d:
+        out.append(f"  rank {d.get('rank')} of {d.get('world')} in job {d.get('job') or '?'} "
+                   f"on {d.get('host')}: {_rank_text(d)}")
+    if r.get("remote"):
+        out.append("  remote store: " + _remote_text(r["remote"]))
     if r["top_traces"]:
         out.append("  top traces by time saved:")
         out.append(f"    {'trace':14} {'runs':>5} {'ops':>5} {'op-by-op ms':>12} {'fused ms':>9} "
@@ -230,3 +251,98 @@ def format_explain(info: dict) -> str:
                      f", {h['decision'] or 'no decision'}")
     return "\n".join(lines)
 
+
+
+# ---- distributed jobs: the runs of one job's ranks together (Note [job id] in distributed.py) ---
+def group_jobs(runs: list[dict]) -> list[dict]:
+    """Runs of one distributed job, oldest job first. Runs whose job is only an address
+    (``job_kind`` "address") belong together while their times overlap."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        d = r.get("dist")
+        if d and d.get("job"):
+            groups.setdefault(d["job"], []).append(r)
+    jobs = []
+    for job, members in groups.items():
+        if members[0]["dist"].get("job_kind") == "address":
+            jobs += [_job_row(f"{job}@{c[0]['run_id']}", c) for c in _overlapping(members)]
+        else:
+            jobs.append(_job_row(job, members))
+    jobs.sort(key=lambda j: j["start"] or 0.0)
+    return jobs
+
+
+def _overlapping(runs: list[dict]) -> list[list[dict]]:
+    out: list[list[dict]] = []
+    end = None
+    for r in sorted(runs, key=lambda r: r.get("start") or 0.0):
+        if out and end is not None and (r.get("start") or 0.0) <= end:
+            out[-1].append(r)
+            end = max(end, r.get("end") or 0.0)
+        else:
+            out.append([r])
+            end = r.get("end") or 0.0
+    return out
+
+
+def _job_row(job: str, runs: list[dict]) -> dict:
+    ranks = []
+    for r in sorted(runs, key=lambda r: (r["dist"].get("rank", 0), r.get("start") or 0.0)):
+        d, rem = r["dist"], r.get("remote") or {}
+        ranks.append({
+            "rank": d.get("rank"), "run_id": r["run_id"], "host": d.get("host"),
+            "seconds": r["seconds"], "compiles": r["compiles"], "disk_hits": r["disk_hits"],
+            "compiled_runs": r.get("compiled_runs", 0),
+            "remote_hits": rem.get("hits", 0), "remote_misses": rem.get("misses", 0),
+            "remote_refused": rem.get("refused", 0), "remote_published": rem.get("published", 0),
+            "peer_waits": d.get("peer_waits", 0),
+            "peer_wait_s": round(d.get("peer_wait_ms", 0) / 1000.0, 3),
+            "compiled_for_peers": d.get("compiled_for_peers", 0),
+            "agreed": d.get("agreed", 0), "overruled": d.get("overruled", 0),
+            "diverged": d.get("diverged", 0),
+        })
+    world = max((r["dist"].get("world") or 0) for r in runs)
+    seen = {k["rank"] for k in ranks}
+    return {"job": job, "world": world, "ranks": ranks,
+            "hosts": sorted({k["host"] for k in ranks if k["host"]}),
+            "missing_ranks": [i for i in range(world) if i not in seen],
+            "start": min((r.get("start") or 0.0) for r in runs),
+            "compiles": sum(k["compiles"] for k in ranks),
+            "remote_hits": sum(k["remote_hits"] for k in ranks)}
+
+
+def _rank_text(d: dict) -> str:
+    text = (f"{d.get('agreed', 0)} decisions agreed ({d.get('overruled', 0)} overruled), "
+            f"waited for peers' programs {d.get('peer_waits', 0)}x "
+            f"({d.get('peer_wait_ms', 0) / 1000.0:.1f} s), compiled for peers "
+            f"{d.get('compiled_for_peers', 0)}x")
+    if d.get("diverged"):
+        text += f", DIVERGED {d['diverged']}x (ran op by op where peers ran fused)"
+    return text
+
+
+def _remote_text(rem: dict) -> str:
+    text = (f"{rem.get('hits', 0)} hits, {rem.get('misses', 0)} misses, "
+            f"{rem.get('refused', 0)} refused (failed verification), "
+            f"{rem.get('published', 0)} published")
+    if rem.get("errors"):
+        text += f", {rem['errors']} errors (store switched off)"
+    return text
+
+
+def format_job(j: dict) -> list[str]:
+    ranks = j["ranks"]
+    head = (f"job {j['job']}: {len(ranks)} run(s) of {j['world']} ranks on "
+            f"{len(j['hosts'])} host(s), {j['compiles']} compiles, "
+            f"{j['remote_hits']} remote hits")
+    if j["missing_ranks"]:
+        head += f"; no run log from rank(s) {', '.join(map(str, j['missing_ranks']))}"
+    out = [head, f"  {'rank':>4}  {'run':24} {'compiles':>8} {'disk hits':>9} "
+                 f"{'remote hit/miss/refused':>23} {'peer waits':>10} {'wait s':>7} "
+                 f"{'fused runs':>10} {'seconds':>8}"]
+    for k in ranks:
+        rem = f"{k['remote_hits']}/{k['remote_misses']}/{k['remote_refused']}"
+        out.append(f"  {k['rank']:>4}  {k['run_id']:24} {k['compiles']:>8} {k['disk_hits']:>9} "
+                   f"{rem:>23} {k['peer_waits']:>10} {k['peer_wait_s']:>7.1f} "
+                   f"{k['compiled_runs']:>10} {k['seconds']:>8.1f}")
+    return out

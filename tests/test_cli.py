@@ -137,6 +137,18 @@ def test_human_report_and_explain(tmp_path: Path, cache_dir: Path,
     assert trace in text and "aten." in text and str(script) in text
 
 
+def test_report_of_a_single_process_run_has_no_job(tmp_path: Path, cache_dir: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A run outside a distributed job records no job; ``--job`` then finds none (exit 2)."""
+    script = tmp_path / "vary.py"
+    script.write_text(_VARYING)
+    _python([str(script), "shape"], _env(cache_dir, ADAPTIVE_EAGER="1"), tmp_path)
+    rep = _report(cache_dir)
+    assert rep["jobs"] == [] and rep["runs"][0]["dist"] is None
+    assert cli.main(["report", "--cache-dir", str(cache_dir), "--job", "last"]) == 2
+    assert "no distributed job 'last'" in capsys.readouterr().err
+
+
 def test_cache_ls_export_import_clear_prune(tmp_path: Path, cache_dir: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     from adaptive_eager.cache.disk import DiskCache

@@ -412,9 +412,12 @@ def test_ranks_agree_first_writer_wins(tmp_path: Path) -> None:
         assert r["dist"].get("store_errors", 0) == 0
 
 
-def test_ddp_mlp_spawn_bitwise(tmp_path: Path) -> None:
+def test_ddp_mlp_spawn_bitwise(tmp_path: Path, cache_dir: Path) -> None:
     """DDP of an MLP, 2 gloo ranks, 20 steps, the context inside each rank: op by op, final
-    parameters bitwise equal to the same DDP run in plain eager, and equal across ranks."""
+    parameters bitwise equal to the same DDP run in plain eager, and equal across ranks. DDP's
+    reducer writes each gradient into its bucket with ``aten.mul.out``: deferred (Note [out=
+    ops]), so only the bucket's all-reduce and the optimizer step end a trace. The job's report
+    groups both ranks' runs under one job id (Note [job id])."""
     res = spawn({"model": "mlp", "modes": ["eager", "replay"], "steps": 20}, tmp_path)
     assert_ranks_identical(res, "eager")
     assert_ranks_identical(res, "replay")
@@ -422,6 +425,37 @@ def test_ddp_mlp_spawn_bitwise(tmp_path: Path) -> None:
     for r in res:
         engine_ran(r, "replay")
         assert r["replay"]["losses"] == r["eager"]["losses"]
+        reasons = r["replay"]["flush_reasons"]
+        assert not any("mul.out" in k for k in reasons), reasons
+        assert reasons.get("fallback:c10d.allreduce_.default", 0) >= 19, reasons
+    _check_job_report(cache_dir, world=2)
+
+
+def _check_job_report(cache_dir: Path, world: int, kind: str | None = "store") -> dict:
+    """``adaptive-eager report`` of the job just run: one job, every rank's run in it, as text
+    and as JSON (through the real command line)."""
+    from adaptive_eager.report import build_report, format_report
+
+    rep = build_report(cache_dir)
+    assert len(rep["jobs"]) == 1, rep["jobs"]
+    job = rep["jobs"][0]
+    assert job["world"] == world and [k["rank"] for k in job["ranks"]] == list(range(world))
+    assert job["missing_ranks"] == [] and len({k["run_id"] for k in job["ranks"]}) == world
+    for run in rep["runs"]:
+        assert run["dist"]["job"] == rep["runs"][0]["dist"]["job"]
+        if kind is not None:
+            assert run["dist"]["job_kind"] == kind
+    text = format_report(rep)
+    assert f"job {job['job']}: {world} run(s) of {world} ranks on 1 host(s)" in text, text
+    for k in job["ranks"]:
+        assert f"rank {k['rank']} of {world} in job " in text
+        assert k["run_id"] in text.split(f"job {job['job']}:")[-1]  # a row of the job block
+    cli = subprocess.run([sys.executable, "-m", "adaptive_eager.cli", "report", "--cache-dir",
+                          str(cache_dir), "--json", "--job", "last"], capture_output=True,
+                         text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["jobs"] == json.loads(json.dumps(rep["jobs"]))
+    return rep
 
 
 def test_collectives_on_deferred_tensors(tmp_path: Path) -> None:
@@ -487,6 +521,9 @@ def test_ddp_torchrun_env_replay_bitwise(tmp_path: Path) -> None:
         engine_ran(r, "env")
         for name, p in e["eager"]["params"].items():
             assert torch.equal(p, r["env"]["params"][name]), name
+    # replay-only, the log written at exit after destroy_process_group: the job is known by its
+    # address, and the report groups the runs of that address whose times overlap
+    _check_job_report(Path(os.environ["ADAPTIVE_EAGER_CACHE_DIR"]), world=2, kind="address")
 
 
 @pytest.mark.slow

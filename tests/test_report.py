@@ -62,3 +62,54 @@ def test_time_to_fused_and_compiles_that_went_on_in_the_service_are_shown() -> N
     assert "waited for its program: abc123 21.50 s" in text
     assert "1 compile(s) went on in the compile service after the run" in text
     assert "still compiling when the run ended" not in text  # not lost: it lands on disk
+
+
+def _rank_run(run_id: str, rank: int, job: str, start: float, end: float, kind: str = "store",
+              remote: dict | None = None, **dist: int) -> list[dict]:
+    head = {"type": "run", "run_id": run_id, "start": start, "end": end, "argv": ["train.py"],
+            "metrics": {"compiles": 2 - rank, "disk_hits": rank, "compiled_runs": 9},
+            "dist": {"rank": rank, "world": 2, "job": job, "job_kind": kind, "host": "h1",
+                     **dist}}
+    if remote is not None:
+        head["remote"] = remote
+    return [head]
+
+
+def test_job_groups_ranks_with_compiles_peer_waits_and_remote_hits() -> None:
+    """Runs of one job (the id the ranks agreed on) are one block, a row per rank; the remote
+    store's hits, misses and refused entries and the waits for peers' programs are shown."""
+    from adaptive_eager.report import format_job, group_jobs
+
+    runs = [summarize_run(_rank_run("r-b", 1, "job-1", 0.5, 9.0, peer_waits=1, peer_wait_ms=2500,
+                                    agreed=4, remote={"hits": 1, "misses": 2, "refused": 1})),
+            summarize_run(_rank_run("r-a", 0, "job-1", 0.0, 9.0, compiled_for_peers=1,
+                                    agreed=4, overruled=1, remote={"published": 1})),
+            summarize_run(_rank_run("r-c", 0, "job-2", 20.0, 30.0, diverged=1))]
+    jobs = group_jobs(runs)
+    assert [j["job"] for j in jobs] == ["job-1", "job-2"]
+    one = jobs[0]
+    assert [k["rank"] for k in one["ranks"]] == [0, 1] and one["missing_ranks"] == []
+    assert one["compiles"] == 3 and one["remote_hits"] == 1
+    assert one["ranks"][1]["peer_wait_s"] == 2.5 and one["ranks"][1]["remote_refused"] == 1
+    text = "\n".join(format_job(one))
+    assert "job job-1: 2 run(s) of 2 ranks on 1 host(s), 3 compiles, 1 remote hits" in text
+    assert "1/2/1" in text.splitlines()[3] and "2.5" in text.splitlines()[3]
+    assert jobs[1]["missing_ranks"] == [1]
+    assert "no run log from rank(s) 1" in "\n".join(format_job(jobs[1]))
+    lines = "\n".join(_format_run(runs[0]))
+    assert "rank 1 of 2 in job job-1 on h1: 4 decisions agreed (0 overruled), waited for peers' " \
+           "programs 1x (2.5 s)" in lines
+    assert "remote store: 1 hits, 2 misses, 1 refused (failed verification)" in lines
+    assert "DIVERGED 1x" in "\n".join(_format_run(runs[2]))
+
+
+def test_jobs_known_by_address_split_where_their_times_do_not_overlap() -> None:
+    """Two jobs on the same MASTER_ADDR:PORT one after the other are two jobs, not one."""
+    from adaptive_eager.report import group_jobs
+
+    runs = [summarize_run(_rank_run(i, r, "127.0.0.1:29500", s, e, kind="address"))
+            for i, r, s, e in (("a0", 0, 0.0, 10.0), ("a1", 1, 0.2, 10.1),
+                               ("b0", 0, 50.0, 60.0), ("b1", 1, 50.3, 60.2))]
+    jobs = group_jobs(runs)
+    assert [[k["run_id"] for k in j["ranks"]] for j in jobs] == [["a0", "a1"], ["b0", "b1"]]
+    assert jobs[0]["job"] != jobs[1]["job"]
