@@ -209,7 +209,8 @@ def make_settings(args: argparse.Namespace, load: tuple[float, float, float]) ->
                     steps=args.steps if args.steps is not None else (10 if quick else 30),
                     max_seconds=args.max_seconds if args.max_seconds is not None
                     else (10.0 if quick else 60.0),
-                    settle_seconds=60.0 if quick else 300.0,
+                    settle_seconds=args.settle_seconds if args.settle_seconds is not None
+                    else (60.0 if quick else 300.0),
                     timeout=args.timeout if args.timeout is not None
                     else (300.0 if quick else 1200.0),
                     threads=threads, threads_why=threads_why)
@@ -231,6 +232,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="timed steps per run")
     p.add_argument("--max-seconds", type=float, help="stop the timed loop after this (>= 3 steps)")
     p.add_argument("--timeout", type=float, help="kill a run after this many seconds")
+    p.add_argument("--settle-seconds", type=float, help=(
+        "longest wait, stepping, for the engine's compiles, measurements and trial before "
+        "timing (default 300; mid-size steps compile for minutes on a busy machine)"))
     p.add_argument("--threads", default="auto", type=threads_arg, help=(
         "torch/OpenMP threads per run: N, or auto (default): torch's default unless other work "
         "keeps the machine busy, then 1 (multi-threaded ops on a busy machine wait on "

@@ -116,6 +116,16 @@ SETTLE_MIN_STEPS = 8  # a trace turns hot on its 3rd run and is submitted on the
 SETTLE_QUIET_STEPS = 3  # consecutive steps with nothing pending before timing starts
 
 
+def _measuring() -> bool:
+    """A trace whose program is compiling or still being timed against op-by-op replay (its
+    keep/drop decision and the trial after it are still to come)."""
+    try:
+        from adaptive_eager.cache.memory import TRIE
+    except ImportError:
+        return False
+    return any(e.state in ("compiling", "measuring") for e in TRIE.entry_list[-200:])
+
+
 def settle(runner: Runner, max_seconds: float) -> dict[str, Any]:
     """Engine only: keep stepping while background compiles are pending, then a few more steps
     so that fresh programs are measured and kept (or dropped) before timing starts.
@@ -129,9 +139,10 @@ def settle(runner: Runner, max_seconds: float) -> dict[str, Any]:
     steps = 0
     deadline = time.perf_counter() + max_seconds
 
-    def busy() -> bool:  # compiling, or timing the engine against eager (Note [measured trial])
-        c = runner.counters()
-        return c.get("compiles_pending", 0) > 0 or c.get("trials_running", 0) > 0
+    def busy() -> bool:  # compiling, measuring a program, or timing the engine against eager
+        c = runner.counters()  # (Notes [paired timing], [measured trial])
+        return (c.get("compiles_pending", 0) > 0 or c.get("trials_running", 0) > 0
+                or _measuring())
 
     def wait(min_steps: int) -> None:
         nonlocal steps
