@@ -564,8 +564,8 @@ class CompileManager:
     # ---- the question asked at every flush ----------------------------------------------------
     def program_for(self, entry: TraceEntry, trace: Trace, live: list[int]) -> Any:
         """The program to run this flush with, or None for op-by-op replay."""
-        if not self.backend.compiles:
-            return None
+        if not self.backend.compiles or entry.sym is not None:
+            return None  # a symbolic trace (shapes.py) has no dynamic-size program yet
         local = None
         with STATE_LOCK:
             state = entry.state

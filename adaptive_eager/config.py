@@ -146,6 +146,10 @@ SETTINGS: tuple[Setting, ...] = (
             "so compiles finish after the program exits (off: a helper of this process)."),
     Setting("service_idle_s", "ADAPTIVE_EAGER_SERVICE_IDLE_S", _int_in(1, 86_400), 120,
             "Seconds the compile service waits with nothing to do before it exits."),
+    # issue 13: the read guard armed only while needed (Note [read guard] in dispatch/mode.py)
+    Setting("lazy_guard", "ADAPTIVE_EAGER_LAZY_GUARD", _parse_bool, True,
+            "Put the read guard (a TorchFunctionMode) on the mode stack only while a real tensor "
+            "has pending writes or inside torch.func transforms (off: on every torch call)."),
     # issue 16: the opt-in remote program store (cache/remote.py reads these two)
     Setting("remote_cache", "ADAPTIVE_EAGER_REMOTE_CACHE", _parse_redis_url, "",
             "A Redis store shared by machines, redis://host:port/db (unset: none); needs "
@@ -153,6 +157,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("remote_cache_key_file", "ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE", _parse_str, "",
             "A private file (0600, yours, at least 32 bytes) holding the secret that signs "
             "remote entries; the same file on every machine."),
+    # issue 15: variable shapes (Note [symbolic dims] in shapes.py)
+    Setting("symbolic_dims", "ADAPTIVE_EAGER_SYMBOLIC_DIMS", _parse_bool, True,
+            "Learn which dimensions vary (one trace for every sequence length) and keep what "
+            "was learnt in the disk cache (off: every new size is a new trace)."),
 )
 
 # The on/off switch for unmodified scripts (read by the torch.backends entry point).
@@ -189,6 +197,8 @@ class Options:
     service_idle_s: int = 120  # issue 12
     remote_cache: str = ""  # issue 16
     remote_cache_key_file: str = ""  # issue 16
+    lazy_guard: bool = True  # issue 13
+    symbolic_dims: bool = True  # issue 15
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,

@@ -31,6 +31,8 @@ from adaptive_eager.fused import run_fused
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import SLOTS, Trace, Unsupported, slot_marker
+from adaptive_eager.shapes import _MISSING as _SYM_MISS, configure as configure_shapes
+from adaptive_eager.shapes import predict as sym_predict, replay_checked, step as sym_step
 
 log = logging.getLogger("adaptive_eager")
 
@@ -189,7 +191,12 @@ class Engine:
         _OWNED.engine = self
         install_thread_sync()
         self.compiler = manager_for(options)
+        configure_shapes(options)  # Note [symbolic dims]: learn, or load what was learnt
         self.presence: Any = None  # set by the context that activates this engine (aside.py)
+        # Note [read guard] in dispatch/mode.py: the engine's ReadGuardMode, armed while the
+        # pending trace writes a tensor from outside it (``ext_writes``)
+        self.guard: Any = None
+        self.ext_writes = False
         self._decisions_seen = 0
         self._errors_logged: set[str] = set()
 
@@ -268,7 +275,11 @@ class Engine:
             if child is not None:
                 tr.node = child
                 out_spec = child.out
+            elif node is not None and node.sym is not None and (
+                    out_spec := sym_step(tr, node, key_t)) is not _SYM_MISS:
+                pass  # a fitted template gave the metadata (Note [symbolic dims], shapes.py)
             else:
+                node = tr.node  # sym_step may have moved a trace off a template
                 if node is not None:
                     tr.leave_trie()
                     where = user_frame()
@@ -298,12 +309,27 @@ class Engine:
             if grad is not None:
                 tr.grad_ops[n_op] = grad
             tr.ops.append((op, tuple(margs), kwargs, slots))
+            if spec.writes is not None and not self.ext_writes:
+                self._note_writes(spec, args, kwargs, tr)
             M.ops_deferred += 1
         finally:
             self.busy = False
         if n_op + 1 >= self.cap:
             self.flush("trace_cap")
         return out
+
+    def _note_writes(self, spec: OpSpec, args: tuple, kwargs: dict, tr: Trace) -> None:
+        """An op that writes an argument was recorded: if that is a tensor from outside the
+        trace (real, or lazy with a value), arm the read guard (Note [read guard], mode.py)."""
+        for w in spec.writes:
+            a = (args[w] if w < len(args) else None) if type(w) is int else kwargs.get(w)
+            for x in (a if type(a) is list or type(a) is tuple else (a,)):
+                if isinstance(x, _Tensor) and (type(x) is not LazyTensor or x._ae_trace is not tr
+                                               or x._ae_real is not None):
+                    self.ext_writes = True
+                    if self.guard is not None:
+                        self.guard.sync()
+                    return
 
     def _external(self, a: torch.Tensor, tr: Trace) -> Any:
         if type(a) is LazyTensor and a._ae_real is None:
@@ -398,8 +424,11 @@ class Engine:
         if out is _MISSING:
             out = _view_metadata(op, spec, args, kwargs)
             if out is None:
-                raise NeedRun(mkey)
-            META_CACHE.put(mkey, out)
+                out = sym_predict(self.trace, op, mkey)  # Note [symbolic dims], single ops
+                if out is None:
+                    raise NeedRun(mkey)
+            else:
+                META_CACHE.put(mkey, out)
         if out is EAGER_ONLY:
             raise RunNow("its output is not a strided tensor")
         return out
@@ -416,6 +445,8 @@ class Engine:
                 self.trace = tr = Trace(self)
             if reason.startswith("new_op:"):
                 tr.after_warmup = True
+            if self.guard is not None and self.guard.pushed:
+                self.guard.sync()  # a disarm left for later (Note [read guard])
             return
         with self.lock, span("adaptive_eager.flush"):
             tr = self.trace  # re-read: another thread may have run it while this one waited
@@ -426,10 +457,13 @@ class Engine:
             M.flush_reasons[reason] += 1
             self.trace.after_warmup = reason.startswith("new_op:")
             self.flushing += 1
+            self.ext_writes = False
             try:
                 self._run_trace(tr, True)
             finally:
                 self.flushing -= 1
+                if self.guard is not None:
+                    self.guard.sync()
 
     def _run_trace(self, tr: Trace, owner: bool) -> None:
         if _transforms_active():
@@ -477,6 +511,7 @@ class Engine:
                     self._run_trace(tr, False)
                 finally:
                     self.trace = Trace(self)
+                    self.ext_writes = False  # the owner's guard disarms at its next flush
             finally:
                 self.foreign = False
 
@@ -500,7 +535,10 @@ class Engine:
                 return env
         start = time.perf_counter()
         with span("adaptive_eager.replay"):
-            env = replay(tr, live, self.check, entry)
+            if tr.sym is None:
+                env = replay(tr, live, self.check, entry)
+            else:  # predicted metadata is checked once per size (Note [symbolic dims])
+                env = replay_checked(tr, live, self.check, entry)
         mgr.record_replay(entry, time.perf_counter() - start)
         M.replayed_runs += 1
         return env

@@ -13,10 +13,11 @@ class Metrics:
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
-        "trials", "trials_running", "compile_waits", "layout_fixes", "helper_errors",
+        "trials", "trials_running", "guard_arms", "guard_disarms", "compile_waits", "layout_fixes", "helper_errors",
         "service_errors", "service_compiles", "service_shared", "compile_queued_seconds",
         "compile_load_seconds", "compile_wait_seconds", "prefetched", "program_waits",
-        "service_pending",
+        "service_pending", "sym_learned", "sym_loaded", "sym_ops", "sym_hits", "sym_verified",
+        "sym_guard_fallbacks", "sym_left", "sym_mispredicted", "sym_dims",
     )
 
     def __init__(self) -> None:
@@ -50,6 +51,8 @@ class Metrics:
         self.step_asides = 0  # times the engine left the mode stack because nothing gained
         self.trials = 0  # measured trials: rounds timed under the engine, then in plain eager
         self.trials_running = 0  # 1 while a trial is timing rounds (benchmarks wait for it)
+        self.guard_arms = 0  # the read guard went on the mode stack (Note [read guard], mode.py)
+        self.guard_disarms = 0  # ... and came off it
         self.compile_waits = 0  # times the engine ran plain eager while a compile was in flight
         self.layout_fixes = 0
         self.helper_errors = 0  # the compile helper process failed; compiles moved in-process  # fused outputs copied into the strides eager gives them
@@ -62,6 +65,16 @@ class Metrics:
         self.compile_wait_seconds = 0.0  # from a trace's submit to its program being ready
         self.prefetched = 0  # programs loaded at engine start (hot in earlier runs)
         self.service_pending = 0  # compiles the service is running for us (they outlive us)
+        # issue 15, Note [symbolic dims] in shapes.py
+        self.sym_learned = 0  # templates fitted in this process (one trace for every size)
+        self.sym_loaded = 0  # templates learnt by an earlier process, read from the disk cache
+        self.sym_ops = 0  # recorded ops whose output metadata came from a fitted formula
+        self.sym_hits = 0  # traces run through a template (a trie hit whatever the size)
+        self.sym_verified = 0  # sizes whose predicted metadata a replay checked in full
+        self.sym_guard_fallbacks = 0  # keys a template refused (s in {0, 1}, a bad value)
+        self.sym_left = 0  # traces that left a template midway (went on as static keys)
+        self.sym_mispredicted = 0  # predictions the replay check found wrong (template dropped)
+        self.sym_dims: dict[str, int] = {}  # "dims of op at file:line" -> traces served
         self.program_waits: dict[str, float] = {}  # trace -> seconds until its program was ready
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()

@@ -51,7 +51,7 @@ class Trace:
 
     __slots__ = ("engine", "ops", "ext", "ext_ids", "groups", "n_slots", "node", "start",
                  "off_keys", "off_outs", "off_where", "off_node", "refs", "last", "scalars",
-                 "after_warmup", "grad_ops")
+                 "after_warmup", "grad_ops", "sym")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -71,6 +71,7 @@ class Trace:
         self.off_keys: list[tuple] = []
         self.off_outs: list[Any] = []
         self.off_where: list[str] = []
+        self.sym: Any = None  # shapes.SymTrace: what learnt formulas gave (Note [symbolic dims])
 
     def register(self, t: torch.Tensor) -> tuple:
         """Number a tensor from outside the trace; return its key part ('x', meta id, group)."""

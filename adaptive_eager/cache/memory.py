@@ -56,7 +56,7 @@ class TraceEntry:
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
                  "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
                  "from_bytes", "in_process", "observed", "rebakes", "replay_plan", "release_plan",
-                 "paired_s")
+                 "paired_s", "sym")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -87,6 +87,7 @@ class TraceEntry:
         self.in_process = False  # compile here only: its deserialized program failed to run
         self.replay_plan: list[tuple] | None = None  # Note [replay call plan] in execute.py
         self.release_plan: tuple | None = None  # (live slots, drops by op) of the last replay
+        self.sym: Any = None  # the shapes.Template this entry serves (Note [symbolic dims])
 
     def summary(self) -> dict:
         return {"trace": self.digest, "runs": self.runs, "hits": self.hits, "n_ops": self.n_ops,
@@ -114,7 +115,7 @@ def _median_ms(values: list[float]) -> float | None:
 
 
 class TrieNode:
-    __slots__ = ("children", "out", "digest", "entry", "depth", "parent", "key", "where")
+    __slots__ = ("children", "out", "digest", "entry", "depth", "parent", "key", "where", "sym")
 
     def __init__(self, out: OutSpec, digest: bytes, depth: int, parent: TrieNode | None = None,
                  key: tuple | None = None, where: str | None = None) -> None:
@@ -126,12 +127,17 @@ class TrieNode:
         self.parent = parent
         self.key = key
         self.where = where  # user source line of the op, when it was first recorded
+        # Note [symbolic dims] (shapes.py): a list of templates anchored here, or (template,
+        # next step) on a template's own nodes; read only when a key misses ``children``
+        self.sym: Any = None
 
     def child(self, key: tuple, out: OutSpec, where: str | None = None) -> TrieNode:
         node = self.children.get(key)
         if node is None:
             digest = xxhash.xxh3_128_digest(self.digest + stable_repr(key).encode())
             node = self.children[key] = TrieNode(out, digest, self.depth + 1, self, key, where)
+            if HOOKS.pending:
+                HOOKS.new_node(node)
         return node
 
 
@@ -148,18 +154,38 @@ class TraceTrie:
         if node is None:
             seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v2 {default_dtype}".encode())
             node = self.roots[default_dtype] = TrieNode(None, seed, 0)
+            if HOOKS.pending:
+                HOOKS.new_node(node)
         return node
 
-    def add_entry(self, node: TrieNode, n_ops: int) -> TraceEntry:
+    def add_entry(self, node: TrieNode, n_ops: int, learn: bool = True) -> TraceEntry:
         entry = node.entry = TraceEntry(node, n_ops)
         self.entries += 1
         self.entry_list.append(entry)
+        if learn and HOOKS.new_entry is not None:
+            HOOKS.new_entry(entry)  # Note [symbolic dims]: a new trace may show a varying size
         return entry
 
     def clear(self) -> None:
         self.roots.clear()
         self.entries = 0
         self.entry_list.clear()
+        if HOOKS.clear is not None:
+            HOOKS.clear()
+
+
+class _Hooks:
+    """Set by shapes.py (which imports this module): learning on new entries, stored
+    templates attached when their anchor node is made (``pending``: any stored at all)."""
+
+    new_entry: Any = None
+    new_node: Any = None
+    clear: Any = None
+    meta_put: Any = None
+    pending = False
+
+
+HOOKS = _Hooks()
 
 
 class MetaCache:
@@ -173,6 +199,8 @@ class MetaCache:
 
     def put(self, key: tuple, out: OutSpec) -> None:
         self.table[key] = out
+        if HOOKS.meta_put is not None:
+            HOOKS.meta_put(key, out)  # Note [symbolic dims], single ops (shapes.py)
 
     def clear(self) -> None:
         self.table.clear()
