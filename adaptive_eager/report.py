@@ -65,6 +65,10 @@ def summarize_run(records: list[dict]) -> dict:
         "start": head.get("start"), "end": head.get("end"),
         "compiled_runs": m.get("compiled_runs", 0),
         "dist": head.get("dist"), "remote": head.get("remote"),
+        # issue 15, Note [symbolic dims]: which dims were made symbolic, where, traces served
+        "sym": {k: m.get(k, 0) for k in ("sym_learned", "sym_loaded", "sym_hits", "sym_ops",
+                                         "sym_left", "sym_mispredicted")},
+        "sym_dims": dict(sorted((m.get("sym_dims") or {}).items(), key=lambda kv: -kv[1])[:8]),
     }
 
 
@@ -196,6 +200,14 @@ def _format_run(r: dict) -> list[str]:
                    "the run: their programs land in the cache for the next run")
     if faults:
         out.append("  faults (results unchanged, ran op by op): " + ", ".join(faults))
+    sym = r.get("sym") or {}
+    if sym.get("sym_learned") or sym.get("sym_loaded"):
+        out.append(f"  symbolic dims: {sym['sym_learned']} learnt, {sym['sym_loaded']} from "
+                   f"disk; {sym['sym_hits']} traces served for any size, {sym['sym_ops']} ops "
+                   f"with predicted metadata, {sym['sym_left']} left a template, "
+                   f"{sym['sym_mispredicted']} mispredicted")
+        for label, n in (r.get("sym_dims") or {}).items():
+            out.append(f"    {n:>5}x  {label}")
     d = r.get("dist")
     if d:
         out.append(f"  rank {d.get('rank')} of {d.get('world')} in job {d.get('job') or '?'} "

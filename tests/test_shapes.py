@@ -213,6 +213,10 @@ def test_learnt_dims_persist_across_processes(cache_dir) -> None:
 
     first = child(5, 7, 9, 11, 13, 6)
     assert first["learned"] >= 1
+    from adaptive_eager.report import build_report, format_report
+
+    text = format_report(build_report(cache_dir, last=True))
+    assert "symbolic dims: " in text and "native_layer_norm" in text, text
     second = child(21, 34)
     assert second["loaded"] >= 1
     assert second["misses"] == [0, 0] and second["hits"] >= 2
