@@ -250,12 +250,94 @@ def stats() -> dict[str, Any]:
     return {"active": active(), "rank": rank(), "job": job_id(), **STATS}
 
 
+# ---- Note [collectives in traces] ------------------------------------------------------------
+# Functional collectives (``torch.distributed._functional_collectives``: all_reduce,
+# all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, and their wait_tensor) are
+# ops of the ``_c10d_functional`` namespace that return a new tensor and leave their input alone,
+# so they are deferred like any op (opspec.py), and the compute around them stays one trace. Why
+# that is sound:
+# - Order. Collectives match across ranks by the order each rank issues them. A trace replays in
+#   program order, and every other collective (``dist.all_reduce``, DDP's reducer, barrier: the
+#   in-place ``c10d`` ops) still flushes the pending trace before it runs, so on each rank the
+#   collectives run in the order the program issued them. ``destroy_process_group`` flushes too.
+# - Waiting. funcol wraps each result in an AsyncCollectiveTensor whose first use calls
+#   ``wait_tensor``; a lazy result gets ``wait_tensor`` at once instead (``_maybe_wrap_tensor``
+#   is wrapped), deferred right after the collective, so the trace waits where eager would have
+#   waited at the latest. No rank blocks while recording: the blocking happens at a flush, which
+#   every rank reaches no later than its next collective or sync point.
+# - Values. Op by op, the same collective on the same inputs: bitwise eager's. The first call of
+#   a new (op, input metadata) runs at once to learn its metadata, in order, as every op's does.
+# Traces with a collective are never fused (``ready_to_start`` decides them op by op at once, the
+# same on every rank since it depends only on the trace): a compiled program would reorder or
+# overlap collectives inside Inductor, which is not tested here.
+COLLECTIVES = frozenset({"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                         "all_to_all_single", "wait_tensor"})
+_with_collectives: dict[str, bool] = {}  # trace digest -> has a functional collective
+_hooks_installed = False
+
+
+def install_collective_hooks() -> None:
+    """Wrap funcol's result wrapper and ``destroy_process_group`` (idempotent)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from adaptive_eager.dispatch.lazy import LazyTensor
+
+    wrap = funcol._maybe_wrap_tensor
+    wait = torch.ops._c10d_functional.wait_tensor.default
+
+    def _maybe_wrap_tensor(t: Any) -> Any:
+        # deferred (or run at once to learn its metadata) under the engine: wait in the trace
+        if type(t) is LazyTensor or type(_get_current_dispatch_mode()).__name__ == "DeferMode":
+            return wait(t)
+        return wrap(t)
+
+    funcol._maybe_wrap_tensor = _maybe_wrap_tensor
+    destroy = dist.destroy_process_group
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        from adaptive_eager.engine import owned_engine
+
+        eng = owned_engine()
+        if eng is not None and eng.trace.ops and not eng.busy and not eng.flushing:
+            eng.flush("destroy_process_group")  # pending collectives run while the group lives
+        return destroy(*args, **kwargs)
+
+    destroy_process_group.__doc__ = destroy.__doc__
+    dist.destroy_process_group = destroy_process_group
+    if getattr(dist.distributed_c10d, "destroy_process_group", None) is destroy:
+        dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+
+def _has_collectives(entry: Any, trace: Any) -> bool:
+    got = _with_collectives.get(entry.digest)
+    if got is None:
+        got = _with_collectives[entry.digest] = any(
+            getattr(op, "namespace", "") == "_c10d_functional" for op, *_ in trace.ops)
+    return got
+
+
 # ---- the decision points (one call each from compiler.py and aside.py) ----------------------
 def ready_to_start(mgr: Any, entry: Any, trace: Any = None, live: Any = None) -> bool:
     """From ``CompileManager._maybe_start``: may this flush look for a program for ``entry``
-    (the disk, then a compile)? Outside distributed jobs always. In one, only at the run where
-    the trace is hot by count, and only if the ranks agree to (else the entry is decided op by
-    op here, as on every rank)."""
+    (the disk, then a compile)? Not for a trace with a functional collective (Note
+    [collectives in traces]). Outside distributed jobs otherwise always. In one, only at the
+    run where the trace is hot by count, and only if the ranks agree to (else the entry is
+    decided op by op here, as on every rank)."""
+    if trace is not None and _has_collectives(entry, trace):
+        with _state_lock():
+            entry.state = "replay"
+            entry.disk_checked = True
+            entry.decision = "op-by-op: functional collectives in the trace (never fused)"
+            mgr.decided.append(entry)
+        return False
     if not active():
         return True
     from adaptive_eager.compiler import MIN_OBSERVED
