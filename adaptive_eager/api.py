@@ -20,6 +20,7 @@ from adaptive_eager.compiler import _managers, reset_managers
 from adaptive_eager.dispatch import hops, regions
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
+from adaptive_eager.dispatch.mode import install_hooks as mode_hooks
 from adaptive_eager.dispatch.opspec import SPECS
 from adaptive_eager.engine import Engine, owned_engine
 from adaptive_eager.events import RUN_LOG
@@ -153,7 +154,7 @@ def _start_up(options: config.Options) -> None:
     workers.install()
     install_feature_hooks()
     if options.step_aside:
-        calibrate()
+        calibrate(options.lazy_guard)
 
 
 def _standing(options: config.Options) -> Presence | None:
@@ -213,6 +214,7 @@ def install_feature_hooks() -> None:
     first call: both skip what they already did."""
     regions.install()
     hops.install()
+    mode_hooks()  # the disarmed read guard's stand-ins (Note [read guard] in dispatch/mode.py)
 
 
 def write_run_log(options: config.Options) -> Path | None:

@@ -30,8 +30,9 @@ def _eager(x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def calibrate() -> None:
-    """Measure once per process; keep the defaults if anything goes wrong."""
+def calibrate(lazy_guard: bool = True) -> None:
+    """Measure once per process; keep the defaults if anything goes wrong. ``lazy_guard``: the
+    read guard as the user's engine runs it (armed on every op, or only while needed)."""
     global _done
     if _done:
         return
@@ -51,7 +52,7 @@ def calibrate() -> None:
     old_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch.float64)
-        record, replay, eager = _measure()
+        record, replay, eager = _measure(lazy_guard)
         compiler.RECORD_S = max(record - eager, 0.0) / _N
         compiler.REPLAY_EXTRA_S = max(replay - eager, 0.0) / _N
     except Exception:  # a measurement must never stop an engine from starting
@@ -68,12 +69,13 @@ def calibrate() -> None:
         TRIE.entries = len(TRIE.entry_list)
 
 
-def _measure() -> tuple[float, float, float]:
+def _measure(lazy_guard: bool) -> tuple[float, float, float]:
     from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
     from adaptive_eager.engine import Engine
 
     x = torch.zeros(16)
-    engine = Engine(Options(backend="replay", step_aside=False, disk_cache=False))
+    engine = Engine(Options(backend="replay", step_aside=False, disk_cache=False,
+                            lazy_guard=lazy_guard))
     modes = (ReadGuardMode(engine), DeferMode(engine))
     best_rec = best_rep = best_eager = float("inf")
     for _ in range(3):

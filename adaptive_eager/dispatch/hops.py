@@ -48,7 +48,7 @@ def _rule_for_mode(hop: HigherOrderOperator) -> Any:
     name = f"hop:{hop.name()}"
 
     def rule(mode: Any, *args: Any, **kwargs: Any) -> Any:
-        # torch popped ``mode`` (our DeferMode) for this call; ReadGuardMode is still on.
+        # torch popped ``mode`` (our DeferMode) for this call; ReadGuardMode may be on.
         engine = mode.engine
         engine.flush(f"fallback:{name}")
         M.fallbacks += 1

@@ -3,13 +3,16 @@
 ``DeferMode`` (a TorchDispatchMode) sees every aten op, forward, backward and optimizer, and
 sends it down the path its policy names (dispatch/opspec.py). ``ReadGuardMode`` (a
 TorchFunctionMode) sees the Python-level calls that read a tensor's memory without reaching the
-dispatcher (print, numpy, tolist, data_ptr, storages, pickling, device moves, ``.data =``) and
-flushes first, so a real tensor with
-deferred in-place writes (an optimizer's parameters) is never read stale (DESIGN trap 12).
+dispatcher (print, numpy, tolist, data_ptr, storages, pickling, device moves) and flushes first,
+so a real tensor with deferred in-place writes (an optimizer's parameters) is never read stale
+(DESIGN trap 12). It is on the stack only while that can happen, or inside torch.func transforms
+(Note [read guard]).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any
 
 import torch
@@ -18,11 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
 from adaptive_eager.dispatch.opspec import (
-    ALLOC, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
+    ALLOC, DEFER, INPLACE_VIEW, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
-from adaptive_eager.dispatch.outvariant import run_out
+from adaptive_eager.dispatch.regions import active_engine
 from adaptive_eager.engine import (
-    GRAD_MODE, Engine, NeedRun, RunNow, is_user_error,
+    GRAD_MODE, Engine, NeedRun, RunNow, is_user_error, owned_engine,
 )
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import Unsupported
@@ -57,6 +60,8 @@ class DeferMode(TorchDispatchMode):
         eng = self.engine
         policy = spec.policy
         if policy == DEFER:
+            if spec is _TO_COPY and _copies_to_other_device(args, kwargs):
+                return eng.run_eager(func, spec, args, kwargs, "read:to")
             # A pending lazy first argument (the common case) rules out both early exits when
             # the op's view base, if any, is that argument.
             a0 = args[0] if args else None
@@ -100,8 +105,6 @@ class DeferMode(TorchDispatchMode):
             return eng.run_sync(func, spec, args, kwargs)
         if policy == GRAD_MODE:
             return defer(eng, func, spec, args, kwargs, _grad_enabled())
-        if policy == OUT:  # Note [out= ops] in dispatch/outvariant.py
-            return run_out(eng, func, spec, args, kwargs)
         return eng.run_fallback(func, spec, args, kwargs, "fallback")
 
 
@@ -121,6 +124,11 @@ _NOOP_DROPOUTS = frozenset(spec_for(getattr(_aten, name).default) for name in (
     "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout_",
     "feature_dropout_", "alpha_dropout_", "feature_alpha_dropout_"))
 _DROPOUT_AT.update({spec: 1 for spec in _NOOP_DROPOUTS})
+
+
+# A copy to another device is a read of the tensor's value, as ``.to``/``.cpu``/``.cuda`` in the
+# read guard: it flushes and runs at once (the guard catches the call first while it is armed).
+_TO_COPY = spec_for(_aten._to_copy.default)
 
 
 def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:
@@ -176,7 +184,7 @@ def is_host_scalar_op(args: tuple) -> bool:
     return seen
 
 
-_DATA_SET = _T.data.__set__
+_DATA_SET = _T.data.__set__  # the C setter: what a mode sees if the .data property is not in
 _DEVICE_MOVES = {_T.cpu, _T.cuda, _T.to}
 _READS = {
     _T.numpy, _T.tolist, _T.data_ptr, _T.untyped_storage, _T.storage, _T._typed_storage,
@@ -185,7 +193,7 @@ _READS = {
 }
 
 
-_READ, _EAGER_BACKWARD = 1, 2
+_READ, _EAGER_BACKWARD, _ORIGINAL = 1, 2, 3
 # Note [eager backward]
 # Any active TorchDispatchMode makes at::isTensorSubclassLike() true, and a few backward formulas
 # then take a "composite compliant" branch whose result differs from eager's in the last bit or
@@ -193,8 +201,12 @@ _READ, _EAGER_BACKWARD = 1, 2
 # made by these calls run their backward exactly as eager does: the node pops the dispatch mode
 # (the autograd engine restores the thread's mode stack after every node) and sees real tensors
 # (its gradient inputs and saved tensors are materialized, which flushes the pending trace).
-_SPECIAL: dict[Any, int] = {f: _READ for f in _READS}
+# The four functions are wrapped (install_hooks), so this costs nothing on other calls; with
+# ``lazy_guard=False`` the always-armed read guard does it, as before.
+_SPECIAL: dict[Any, int] = {f: _READ for f in _READS}  # the always-armed guard's duties
 _SPECIAL.update({f: _EAGER_BACKWARD for f in (torch.prod, _T.prod, torch.ormqr, _T.ormqr)})
+_SPECIAL_LAZY: dict[Any, int] = {f: _READ for f in _READS}  # the armed-when-needed guard's
+_ORIGINALS: dict[Any, Any] = {}  # wrapper -> the function it wraps (install_hooks)
 
 
 def _with_eager_backward(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -235,22 +247,139 @@ def _moves_device(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _copies_to_other_device(args: tuple, kwargs: dict) -> bool:
+    """``aten._to_copy`` to another device (the dispatch-level form of a device move)."""
+    dev = kwargs.get("device")
+    return dev is not None and bool(args) and isinstance(args[0], _T) and dev != args[0].device
+
+
+# Note [read guard]
+# ReadGuardMode (a TorchFunctionMode) costs a Python round trip on every torch call made under it:
+# 9.9k instructions of a recorded add's 54k, more than eager's whole add (9.6k). Its duties matter
+# only at times, so by default it is on the function-mode stack ("armed") only then:
+# - a tensor from outside the pending trace has pending writes (a deferred in-place op, out= op or
+#   optimizer update on a parameter, a buffer, or a lazy tensor that already holds its value):
+#   Python-level reads of its memory (print, numpy, tolist, data_ptr, storages, pickling, device
+#   moves) must flush first (DESIGN trap 12). Engine.record arms it at the first such write of a
+#   trace (OpSpec.writes); the flush that runs the trace disarms it. Reads through aten ops (item,
+#   equal, indexing, copies) need no guard: the dispatch mode sees them.
+# - inside torch.func transforms (Note [functorch transforms]): functorch's nesting entry points
+#   (vmap, grad/vjp, jvp, functionalize) are wrapped to arm it on entry and disarm on exit.
+# The rest of its duties moved to places that cost nothing on other calls: ``.data =`` is a
+# property of torch.Tensor whose setter flushes and stores a lazy value's real value (trap 2);
+# prod/ormqr's eager backward wraps those functions (Note [eager backward]); a device move on a
+# tensor while disarmed reaches the dispatch mode as ``aten._to_copy`` to another device, which
+# flushes and runs at once, as the guard's read did.
+# Armed, it sits at the bottom of the function-mode stack, so user modes entered before or after
+# still pop themselves. It cannot always leave at once: inside its own handler torch holds it off
+# the stack and puts it back afterwards (a flush from ``.item()`` under it), the autograd engine
+# restores the thread's mode stacks after every node, and a compiled region holds it off the stack
+# (``held``). Then it stays on ("stale": correct, only slower) until the next point where it can
+# leave: a flush outside those places (the optimizer step hook, ``sync()``, the context's exit), the
+# end of a backward call, a transform's entry or exit. An arm inside an autograd node (a real
+# ``.grad`` accumulated in place) would vanish with the node: the end of the backward call
+# (``torch.autograd._engine_run_backward``, wrapped) arms it again. ``lazy_guard=False``
+# (``ADAPTIVE_EAGER_LAZY_GUARD=0``) keeps it armed whenever the engine's modes are on, as before.
+_push_function = torch._C._push_on_torch_function_stack
+_pop_function = torch._C._pop_torch_function_stack
+_len_function = torch._C._len_torch_function_stack
+_function_at = torch._C._get_function_stack_at
+_graph_task = torch._C._current_graph_task_id
+_get_ident = threading.get_ident
+
+
 class ReadGuardMode(TorchFunctionMode):
     def __init__(self, engine: Engine) -> None:
         super().__init__()
         self.engine = engine
+        engine.guard = self
+        self.always = not getattr(engine.options, "lazy_guard", True)
+        self.table = _SPECIAL if self.always else _SPECIAL_LAZY
+        self.thread = engine.owner
+        self.present = False  # the engine's modes are on (the context's presence is active)
+        self.pushed = False  # on the function-mode stack, or held off it and coming back
+        self.held = 0  # times it is off the stack now and will be put back
+        self.recheck = False  # armed inside an autograd node: arm again when backward returns
+
+    # Presence (aside.py) and calibrate enter and exit the engine's modes as a pair.
+    def __enter__(self) -> ReadGuardMode:
+        self.present = True
+        if self.always and not self.pushed:
+            _push_function(self)  # on top, where the context's entry always put it
+            self.pushed = True
+            M.guard_arms += 1
+        else:
+            self.sync()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.present = False
+        self.sync()
+
+    def wanted(self) -> bool:
+        return self.present and (self.always or self.engine.ext_writes or _transforms_active())
+
+    def sync(self) -> None:
+        """Arm or disarm as wanted, where that can be done now (Note [read guard])."""
+        if self.held or _get_ident() != self.thread:
+            return
+        want = self.wanted()
+        if want is self.pushed:
+            return
+        if want:
+            if not self._on_stack():
+                self._insert()
+            self.pushed = True
+            M.guard_arms += 1
+            if _graph_task() != -1:
+                self.recheck = True  # this push lasts only until the node ends
+        elif _graph_task() == -1:  # in a node the stack comes back after it: leave later
+            self._remove()
+            self.pushed = False
+            M.guard_disarms += 1
+
+    def after_backward(self) -> None:
+        if _graph_task() != -1:
+            return  # a backward inside a node: the outer one's end decides
+        if self.recheck and not self.held:
+            self.recheck = False
+            self.pushed = self._on_stack()
+        self.sync()
+
+    def _on_stack(self) -> bool:
+        return any(_function_at(i) is self for i in range(_len_function()))
+
+    def _insert(self) -> None:
+        above = [_pop_function() for _ in range(_len_function())]  # top first
+        _push_function(self)
+        for mode in reversed(above):
+            _push_function(mode)
+
+    def _remove(self) -> None:
+        above = [_pop_function() for _ in range(_len_function())]
+        for mode in reversed(above):
+            if mode is not self:
+                _push_function(mode)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if _transforms_active():
-            return self._in_transform(func, args, kwargs or {})
-        special = _SPECIAL.get(func)
-        if special is None:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        if kwargs is None:
-            kwargs = {}
-        if special is _READ:
-            return self._read(func, args, kwargs)
-        return _with_eager_backward(func, args, kwargs)
+        self.held += 1  # torch took this mode off the stack for the call: it comes back after
+        try:
+            if not self.present:  # stale after its engine's modes left: plain call
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if _transforms_active():
+                return self._in_transform(func, args, kwargs or {})
+            special = self.table.get(func)
+            if special is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kwargs is None:
+                kwargs = {}
+            if special is _READ:
+                return self._read(func, args, kwargs)
+            if special is _ORIGINAL:  # a wrapper of install_hooks: it already did its part
+                return _ORIGINALS[func](*args, **kwargs)
+            return _with_eager_backward(func, args, kwargs)
+        finally:
+            self.held -= 1
 
     def _in_transform(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Note [functorch transforms]
@@ -262,8 +391,10 @@ class ReadGuardMode(TorchFunctionMode):
         (the interpreter stack reads empty inside its handler), but this mode, above functorch,
         can: each torch call inside a transform flushes the pending trace (so lazy inputs have
         values and pending writes have landed), then runs with the engine's dispatch mode off.
-        Lazy tensors made before the transform reach their own ``__torch_dispatch__``, which
-        runs on their values. Flushes run with functorch off (Engine._run_trace). Counted as fallbacks (``fallback_ops["functorch"]``)."""
+        The mode is armed for the transform by hooks on functorch's nesting entry points (Note
+        [read guard]). Lazy tensors made before the transform reach their own
+        ``__torch_dispatch__``, which runs on their values. Flushes run with functorch off
+        (Engine._run_trace). Counted as fallbacks (``fallback_ops["functorch"]``)."""
         self.engine.flush("functorch")
         M.fallbacks += 1
         M.fallback_ops["functorch"] += 1
@@ -292,3 +423,100 @@ class ReadGuardMode(TorchFunctionMode):
             args = resolve_all(args)
         with _DisableDispatch():
             return func(*args, **kwargs)
+
+
+# ---- hooks that stand in for the guard's duties while it is disarmed (Note [read guard]) -----
+def _thread_guard() -> ReadGuardMode | None:
+    eng = owned_engine()
+    return None if eng is None else eng.guard
+
+
+def _after_backward() -> None:
+    g = _thread_guard()
+    if g is not None and (g.pushed or g.recheck):
+        g.after_backward()
+
+
+def _nesting_hook(orig: Any) -> Any:
+    """A functorch nesting entry or exit point that then arms or disarms this thread's guard."""
+
+    @functools.wraps(orig)
+    def nesting(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        g = _thread_guard()
+        if g is not None and g.present:
+            g.sync()
+        return out
+
+    nesting._ae_hook = True  # type: ignore[attr-defined]
+    return nesting
+
+
+def _eager_backward_hook(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        eng = active_engine()
+        if eng is None or eng.guard is None or eng.guard.always:
+            return orig(*args, **kwargs)  # outside the engine, or its guard does this
+        return _with_eager_backward(orig, args, kwargs)
+
+    wrapper._ae_hook = True  # type: ignore[attr-defined]
+    _ORIGINALS[wrapper] = orig
+    return wrapper
+
+
+_data_get = torch._C.TensorBase.data.__get__
+_data_set = _DATA_SET
+
+
+def _set_data(self: torch.Tensor, value: Any) -> None:
+    """``t.data = value`` (trap 2): pending ops of this thread run first (they may write ``t``'s
+    old storage, as in eager), and a lazy value is stored as its real value, never as a wrapper."""
+    eng = owned_engine()
+    if eng is not None and eng.trace.ops and not eng.busy and not eng.flushing:
+        eng.flush("read:data_set")
+    _data_set(self, resolve_all(value))
+
+
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+def install_hooks() -> None:
+    """Install the stand-ins for the disarmed guard (idempotent; on the first engine start)."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        _hooks_installed = True
+        import torch.autograd as autograd
+        from torch._functorch import eager_transforms, vmap
+
+        for module, names in ((vmap, ("_vmap_increment_nesting", "_vmap_decrement_nesting")),
+                              (eager_transforms, (
+                                  "_grad_increment_nesting", "_grad_decrement_nesting",
+                                  "_jvp_increment_nesting", "_jvp_decrement_nesting",
+                                  "_func_increment_nesting", "_func_decrement_nesting"))):
+            for name in names:
+                orig = getattr(module, name, None)
+                if orig is not None and not getattr(orig, "_ae_hook", False):
+                    setattr(module, name, _nesting_hook(orig))
+
+        run_backward = autograd._engine_run_backward
+
+        @functools.wraps(run_backward)
+        def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return run_backward(*args, **kwargs)
+            finally:
+                _after_backward()
+
+        autograd._engine_run_backward = _engine_run_backward  # type: ignore[assignment]
+
+        for owner, name in ((torch, "prod"), (_T, "prod"), (torch, "ormqr"), (_T, "ormqr")):
+            wrapper = _eager_backward_hook(getattr(owner, name))
+            setattr(owner, name, wrapper)
+            _SPECIAL_LAZY[wrapper] = _ORIGINAL  # seen by the armed guard for method calls
+            _SPECIAL[wrapper] = _EAGER_BACKWARD  # the always-armed one wraps as before
+
+        _T.data = property(_data_get, _set_data, doc=torch._C.TensorBase.data.__doc__)

@@ -70,7 +70,7 @@ class OpSpec:
     """The per-op facts the hot path needs, computed once (see Note [op policy])."""
 
     __slots__ = ("op", "name", "policy", "reason", "scalar_pos", "scalar_kw", "structural",
-                 "ret_alias", "bool_index", "view_arg", "host_learns", "functional")
+                 "ret_alias", "bool_index", "view_arg", "host_learns", "writes", "functional")
 
     def __init__(self, op: torch._ops.OpOverload) -> None:
         self.op = op
@@ -87,6 +87,7 @@ class OpSpec:
             "float[]" in str(a.type) or "List[float]" in str(a.type) for a in args)
         self.ret_alias = _return_aliases(schema)
         self.view_arg = _view_arg(schema)
+        self.writes = _written_args(schema)  # Note [read guard] in mode.py
         self.bool_index = op in (_aten.index.Tensor, _aten._unsafe_index.Tensor)
         self.policy, self.reason = _classify(op, schema)
         if self.policy == DEFER and op in GRAD_MODE_OPS:  # Note [grad-mode kernels] in engine.py
@@ -139,14 +140,19 @@ def _view_arg(schema: torch._C.FunctionSchema) -> int | None:
     return None
 
 
+def _written_args(schema: torch._C.FunctionSchema) -> tuple[int | str, ...] | None:
+    """The arguments an op writes (positions; names of keyword-only ones, such as out=), or None."""
+    out = tuple(a.name if a.kwarg_only else i for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write)
+    return out or None
+
+
 def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tuple[int, str]:
     ns = op.namespace
     if ns == "profiler":
         return PASSTHROUGH, "profiler range"  # trap 4: every optimizer step records these
     if op in _PASSTHROUGH_OPS:
         return PASSTHROUGH, "metadata only"
-    if ns == "_c10d_functional" and op._schema.name.split("::")[-1] in _collectives():
-        return DEFER, "functional collective, run in program order"
     if ns != "aten":
         why = _custom_op_fallback(op, ns)
         if why is not None:
@@ -204,15 +210,6 @@ def _functional_of(op: torch._ops.OpOverload) -> tuple[OpSpec, tuple[str, ...]] 
             return None
         return fspec, outs
     return None
-
-
-def _collectives() -> frozenset[str]:
-    """Functional collectives deferred into traces (Note [collectives in traces] in
-    distributed.py); the first one classified installs the hooks they need."""
-    from adaptive_eager import distributed
-
-    distributed.install_collective_hooks()
-    return distributed.COLLECTIVES
 
 
 # Namespaces whose ops act outside the tensors they are given (communication, runtime state).

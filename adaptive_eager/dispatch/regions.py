@@ -93,9 +93,13 @@ def engine_modes_off() -> Iterator[None]:
     defer, guard = _engine_mode_types()
     taken_d = _take(defer, _len_dispatch, _pop_dispatch, _push_dispatch)
     taken_f = _take(guard, _len_function, _pop_function, _push_function)
+    for _, g in taken_f:
+        g.held += 1  # off the stack for the block: it neither arms nor leaves meanwhile
     try:
         yield
     finally:
+        for _, g in taken_f:
+            g.held -= 1
         _give_back(taken_f, _pop_function, _push_function)
         _give_back(taken_d, _pop_dispatch, _push_dispatch)
 
