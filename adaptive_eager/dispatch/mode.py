@@ -21,8 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
 from adaptive_eager.dispatch.opspec import (
-    ALLOC, DEFER, INPLACE_VIEW, PASSTHROUGH, RANDOM, SYNC, spec_for,
+    ALLOC, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
+from adaptive_eager.dispatch.outvariant import run_out
 from adaptive_eager.dispatch.regions import active_engine
 from adaptive_eager.engine import (
     GRAD_MODE, Engine, NeedRun, RunNow, is_user_error, owned_engine,
@@ -105,6 +106,8 @@ class DeferMode(TorchDispatchMode):
             return eng.run_sync(func, spec, args, kwargs)
         if policy == GRAD_MODE:
             return defer(eng, func, spec, args, kwargs, _grad_enabled())
+        if policy == OUT:  # Note [out= ops] in dispatch/outvariant.py
+            return run_out(eng, func, spec, args, kwargs)
         return eng.run_fallback(func, spec, args, kwargs, "fallback")
 
 

@@ -153,6 +153,8 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         return PASSTHROUGH, "profiler range"  # trap 4: every optimizer step records these
     if op in _PASSTHROUGH_OPS:
         return PASSTHROUGH, "metadata only"
+    if ns == "_c10d_functional" and op._schema.name.split("::")[-1] in _collectives():
+        return DEFER, "functional collective, run in program order"
     if ns != "aten":
         why = _custom_op_fallback(op, ns)
         if why is not None:
@@ -210,6 +212,15 @@ def _functional_of(op: torch._ops.OpOverload) -> tuple[OpSpec, tuple[str, ...]] 
             return None
         return fspec, outs
     return None
+
+
+def _collectives() -> frozenset[str]:
+    """Functional collectives deferred into traces (Note [collectives in traces] in
+    distributed.py); the first one classified installs the hooks they need."""
+    from adaptive_eager import distributed
+
+    distributed.install_collective_hooks()
+    return distributed.COLLECTIVES
 
 
 # Namespaces whose ops act outside the tensors they are given (communication, runtime state).
