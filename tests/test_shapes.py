@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import adaptive_eager as ae
@@ -220,3 +221,54 @@ def test_learnt_dims_persist_across_processes(cache_dir) -> None:
     second = child(21, 34)
     assert second["loaded"] >= 1
     assert second["misses"] == [0, 0] and second["hits"] >= 2
+
+
+@pytest.mark.slow  # about 25 s of CPU, over a minute on the shared machine
+def test_gpt2_variable_length_training_bitwise_and_hits() -> None:
+    """A config-built GPT-2 (2 layers) trained with a new sequence length every step: losses
+    and weights bitwise equal to eager's; once learnt, a new length is one trie hit per step
+    with no op run to learn metadata."""
+    import random
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+        model = GPT2LMHeadModel(cfg)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    rng = random.Random(0)
+    lens = rng.sample(range(16, 64), 22)
+    data = [torch.randint(0, 64, (2, t), generator=torch.Generator().manual_seed(t)) for t in lens]
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, rec: list | None) -> list:
+        losses = []
+        for x in data:
+            before = ae.metrics() if rec is not None else None
+            opt.zero_grad()
+            loss = model(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if rec is not None:
+                after = ae.metrics()
+                rec.append({k: after[k] - before[k] for k in ("trace_hits", "trace_misses",
+                                                             "meta_misses", "flushes")})
+        return losses
+
+    model, opt = make()
+    want = train(model, opt, None)
+    want_w = [p.detach().clone() for p in model.parameters()]
+    model, opt = make()
+    rec: list = []
+    with ae.adaptive_eager(backend="replay", check=True, step_aside=False):
+        got = train(model, opt, rec)
+    assert got == want
+    for p, w in zip(model.parameters(), want_w):
+        assert_same(p.detach(), w)
+    m = ae.metrics()
+    assert m["sym_mispredicted"] == 0 and m["engine_errors"] == 0
+    last = rec[-5:]  # lengths never seen before, each
+    assert sum(r["meta_misses"] for r in last) == 0, rec
+    assert sum(r["trace_hits"] for r in last) >= 4, rec
