@@ -462,8 +462,8 @@ class Engine:
                 self._run_trace(tr, True)
             finally:
                 self.flushing -= 1
-                if self.guard is not None:
-                    self.guard.sync()
+                if self.guard is not None and self.guard.pushed:
+                    self.guard.sync()  # disarm (Note [read guard] in dispatch/mode.py)
 
     def _run_trace(self, tr: Trace, owner: bool) -> None:
         if _transforms_active():
