@@ -244,9 +244,9 @@ class EngineHitSampler(Sampler):
     """Steady state: the same loop repeated, each repetition one known trace (a hit)."""
 
     def __init__(self, program: str, run: Program, sync: Sync, ae: Any,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], label: str = "") -> None:
         super().__init__(program, run, sync)
-        self.ae, self.options = ae, options
+        self.ae, self.options, self.label = ae, options, label
         self.record: list[float] = []
         self.replay: list[float] = []
         self.counts: dict[str, float] = {}
@@ -271,8 +271,9 @@ class EngineHitSampler(Sampler):
 
     def rows(self) -> list[Row]:
         n = len(self.record)
+        name = "adaptive_eager hit" + (f" [{self.label}]" if self.label else "")
         if self.error or not n:
-            return [Row(self.program, "adaptive_eager hit", note=self.error)]
+            return [Row(self.program, name, note=self.error)]
         c = self.counts
         ops = c.get("ops_intercepted", 0) / n
         deferred = c.get("ops_deferred", 0) / n or ops
@@ -280,11 +281,10 @@ class EngineHitSampler(Sampler):
                 f" misses, {c.get('flushes', 0) / n:g} flushes, {deferred:g} deferred")
         total = [a + b for a, b in zip(self.record, self.replay, strict=True)]
         return [
-            Row(self.program, "adaptive_eager hit: record", *per_op(self.record, ops), ops, n,
-                note),
-            Row(self.program, "adaptive_eager hit: replay (sync)", *per_op(self.replay, deferred),
+            Row(self.program, f"{name}: record", *per_op(self.record, ops), ops, n, note),
+            Row(self.program, f"{name}: replay (sync)", *per_op(self.replay, deferred),
                 deferred, n),
-            Row(self.program, "adaptive_eager hit: total", *per_op(total, ops), ops, n),
+            Row(self.program, f"{name}: total", *per_op(total, ops), ops, n),
         ]
 
 
@@ -330,26 +330,30 @@ class EngineMissSampler(Sampler):
 PLAIN_PATHS = ("eager", "empty TorchDispatchMode", "aten calls from Python (replay floor)")
 
 
-def samplers_for(program: str, device: torch.device, ae: Any,
-                 options: dict[str, Any]) -> tuple[list[Sampler], list[Sampler]]:
-    """(steady-state samplers, cold samplers) for one program; engine ones only if it imports."""
+def samplers_for(program: str, device: torch.device, ae: Any, options: dict[str, Any],
+                 also: tuple[str, ...] = ()) -> tuple[list[Sampler], list[Sampler]]:
+    """(steady-state samplers, cold samplers) for one program; engine ones only if it imports.
+    ``also``: more engine hit paths, each with options ``key=value[,key=value]`` on top."""
     run = PROGRAMS[program](device)
     sync = device_sync(device)
     steady: list[Sampler] = [PlainSampler(program, run, sync, p) for p in PLAIN_PATHS]
     cold: list[Sampler] = []
     if ae is not None:
         steady.append(EngineHitSampler(program, run, sync, ae, options))
+        for extra in also:
+            more = dict(kv.split("=", 1) for kv in extra.split(","))
+            steady.append(EngineHitSampler(program, run, sync, ae, {**options, **more}, extra))
         cold.append(EngineMissSampler(program, run, sync, ae, options))
     return steady, cold
 
 
 def measure(device: torch.device, ae: Any, options: dict[str, Any], rounds: int, reps: int,
-            miss_reps: int) -> list[Sampler]:
+            miss_reps: int, also: tuple[str, ...] = ()) -> list[Sampler]:
     """Interleave: every round runs each path once, so load spikes spread over all paths."""
     steady: list[Sampler] = []
     cold: list[Sampler] = []
     for program in PROGRAMS:
-        s, c = samplers_for(program, device, ae, options)
+        s, c = samplers_for(program, device, ae, options, also)
         steady += s
         cold += c
     for _ in range(rounds):
@@ -433,6 +437,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--miss-reps", type=int, default=20, help="repetitions of the cold path")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--also", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="one more engine hit path with these options on top, timed in the same "
+                        "interleaved rounds (e.g. --also lazy_guard=0: the always-armed read "
+                        "guard); repeatable")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1, as issue 13's table: matmul threads spinning "
                         "on a shared machine make per-op times noise)")
@@ -460,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         ae, options, notes = import_engine(cache_dir)
         header["engine_options"], header["engine_option_notes"] = options, notes
         samplers = measure(torch.device(args.device), ae, options, args.rounds, args.reps,
-                           args.miss_reps)
+                           args.miss_reps, tuple(args.also))
     header["load_after"] = load_average()
     rows = [row for s in samplers for row in s.rows()]
     text = markdown(header, rows)
