@@ -56,6 +56,62 @@ def _steps(bench: Any, n: int, sync: Any) -> list[float]:
     return out
 
 
+def _cpu_step(bench: Any, sync: Any) -> float:
+    """One step's CPU time in this process (user + system): a busy machine stretches wall
+    clock, this much less."""
+    c0 = time.process_time()
+    bench.step()
+    sync()
+    return time.process_time() - c0
+
+
+def aside_check(args: argparse.Namespace, cache: str) -> int:
+    """Does running aside cost anything? Two identical copies of the workload in one process:
+    A runs under the engine with its default options (background compiles, measuring, the
+    trial) until it has stepped aside or kept the engine; B never sees the engine. Then steps
+    of A and B alternate (A's inside the context, aside or not; then both outside it): state
+    the engine left on A's tensors would make A slower than B, process-wide leftovers (hooks,
+    threads, helpers busy) would slow both against the eager steps before (issue 13)."""
+    import adaptive_eager as ae
+    from adaptive_eager import api
+
+    a = WORKLOADS[args.workload].build(args.size, torch.device("cpu"))
+    b = WORKLOADS[args.workload].build(args.size, torch.device("cpu"))
+
+    def pairs(label: str, n: int, sync: Any) -> None:
+        ta: list[float] = []
+        tb: list[float] = []
+        for i in range(n):  # alternate which copy goes first
+            first, second = (a, b) if i % 2 == 0 else (b, a)
+            for bench in (first, second):
+                (ta if bench is a else tb).append(_cpu_step(bench, sync))
+        ma, mb = statistics.median(ta), statistics.median(tb)
+        print(f"{label}: A {ma * 1e3:.1f} ms CPU/step, B {mb * 1e3:.1f} ms (A/B {ma / mb:.3f}), "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+
+    _steps(a, 2, lambda: None)
+    _steps(b, 2, lambda: None)
+    pairs("eager, before", args.steps, lambda: None)
+    deadline = time.perf_counter() + args.max_seconds
+    with ae.adaptive_eager(backend=args.backend, cache_dir=cache):
+        steps = 0
+        while time.perf_counter() < deadline:
+            _steps(a, 1, ae.sync)
+            steps += 1
+            pr = api._state.presence
+            if pr is not None and pr.trial is None and not pr.waiting and (pr.aside or pr.verdict):
+                break
+        pr = api._state.presence
+        m = ae.metrics()
+        where = "aside" if pr is not None and pr.aside else "in the engine"
+        print(f"engine on A: {steps} steps, then {where} (kept_fused {m['kept_fused']}, "
+              f"kept_replay {m['kept_replay']}, trials {m['trials']}, step_asides "
+              f"{m['step_asides']})", flush=True)
+        pairs(f"A {where} / B plain, inside the context", args.steps, ae.sync)
+    pairs("both outside the context", args.steps, lambda: None)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="gpt2_train")
@@ -65,9 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-warmup", type=int, default=30, help="steps before giving up settling")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache-dir", help="engine cache (default: a fresh temporary folder)")
+    p.add_argument("--aside-check", action="store_true",
+                   help="instead of the profile: does the engine leave anything that slows "
+                        "plain eager down (see aside_check)")
+    p.add_argument("--max-seconds", type=float, default=900.0,
+                   help="--aside-check: longest engine phase (compiles, measuring, the trial)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import adaptive_eager as ae
+
+    if args.aside_check:
+        cache = args.cache_dir or tempfile.mkdtemp(prefix="ae-aside-")
+        os.chmod(cache, 0o700)
+        return aside_check(args, cache)
 
     bench = WORKLOADS[args.workload].build(args.size, torch.device("cpu"))
     _steps(bench, 2, lambda: None)
