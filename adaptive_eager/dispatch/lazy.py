@@ -76,7 +76,8 @@ class LazyTensor(torch.Tensor):
     _ae_error: BaseException | None = None
 
     # Subclass torch-function handling would add a Python call to every op; reads are overridden
-    # below instead, and the engine's TorchFunctionMode guards real tensors.
+    # below instead, and the engine's TorchFunctionMode guards real tensors while they have
+    # pending writes (Note [read guard] in mode.py).
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
