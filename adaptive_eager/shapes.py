@@ -128,9 +128,21 @@ class Poly:
 
 def _fit(xs: list[int], ys: list[int]) -> int | Poly | None:
     """The lowest-degree polynomial through every point, confirmed by one point more."""
-    if all(y == ys[0] for y in ys):
-        return ys[0]
+    y0 = ys[0]
+    if all(y == y0 for y in ys):
+        return y0
     n = len(xs)
+    if n >= 3:  # affine, in integers first (the common case: no Fractions)
+        x0, x1, y1 = xs[0], xs[1], ys[1]
+        dx, dy = x1 - x0, y1 - y0
+        if all((y - y0) * dx == dy * (x - x0) for x, y in zip(xs, ys)):
+            g = _gcd(abs(dy), abs(dx)) or 1
+            num, den = dy // g, dx // g
+            if den < 0:
+                num, den = -num, -den
+            c0 = y0 * den - num * x0  # (c0 + num*s) / den
+            g2 = _gcd(_gcd(abs(c0), abs(num)), den) or 1
+            return Poly(c0 // g2, num // g2, 0, den // g2)
     for deg in (1, 2):
         if n < deg + 2:
             return None
@@ -164,39 +176,9 @@ def _gcd(a: int, b: int) -> int:
 
 
 def search_fit(vecs: list[list[int]], n_key: int) -> tuple[list[int], list] | None:
-    """Fit the newest vector with MIN_OBS-1 (then MIN_OBS) others of the pool: a pool can mix
-    call sites that share a skeleton (the q, k and v of attention), so only a subset that fits
-    at every position is one site. Returns (indices used, fits per position: int or Poly)."""
-    from itertools import combinations
-
-    new = len(vecs) - 1
-    got = _slope_fit(vecs, n_key)
-    if got is not None:
-        return got
-    lo = max(0, new - _COMBO_POOL)
-    for size in (MIN_OBS, MIN_OBS + 1):
-        for combo in combinations(range(lo, new), size - 1):
-            idx = [*combo, new]
-            rows = [vecs[i] for i in idx]
-            ref = rows[0]
-            first = next((j for j in range(n_key) if any(r[j] != ref[j] for r in rows)), None)
-            if first is None:
-                continue
-            xs = [r[first] for r in rows]
-            if min(xs) < 2 or len(set(xs)) != len(xs):
-                continue
-            fits = []
-            for ys in zip(*rows):
-                f = _fit(xs, list(ys))
-                if f is None:
-                    break
-                fits.append(f)
-            else:
-                return idx, fits
-    return None
-
-
-_COMBO_POOL = 8  # the subset search looks at this many recent observations
+    """One fit of the newest observation with earlier ones of its own site (slope_fits)."""
+    found = slope_fits(vecs, n_key)
+    return found[0] if found else None
 
 
 def _fit_rows(idx: list[int], vecs: list[list[int]], n_key: int) -> tuple[list[int], list] | None:
@@ -217,13 +199,6 @@ def _fit_rows(idx: list[int], vecs: list[list[int]], n_key: int) -> tuple[list[i
     return idx, fits
 
 
-def _slope_fit(vecs: list[list[int]], n_key: int) -> tuple[list[int], list] | None:
-    """Affine sites in O(pool): two observations of one site differ by the same slope vector
-    per unit of s, so a third observation with the slope of an earlier pair is a candidate."""
-    found = slope_fits(vecs, n_key)
-    return found[0] if found else None
-
-
 def slope_fits(vecs: list[list[int]], n_key: int) -> list[tuple[list[int], list]]:
     """Every fit the newest observation makes with earlier ones of its own site, in O(pool):
     two observations of one site at different s agree exactly at its constant positions, so
@@ -233,11 +208,13 @@ def slope_fits(vecs: list[list[int]], n_key: int) -> list[tuple[list[int], list]
     vx = vecs[new]
     buckets: dict[tuple, list[int]] = {}
     for i in range(new - 1, -1, -1):
-        va = vecs[i]
-        diff = tuple(j for j in range(len(vx)) if va[j] != vx[j])
-        if not diff or diff[0] >= n_key:
-            continue
-        key = (diff, tuple(v for j, v in enumerate(vx) if va[j] == v))
+        # None where the two differ, the shared value elsewhere: both parts of the bucket key
+        key = tuple([a if a == b else None for a, b in zip(vecs[i], vx)])
+        try:
+            if key.index(None) >= n_key:
+                continue  # the keys agree: not a different value of s
+        except ValueError:
+            continue  # identical observation
         buckets.setdefault(key, []).append(i)
     found = []
     for idx in buckets.values():
@@ -787,7 +764,7 @@ class _Pool:
 
 FAMILIES: dict[Any, _Pool] = {}
 _FAMS_MAX = 64  # fitted call sites per skeleton
-_POOL_MAX = 64  # observations kept per skeleton (many sites share one: mm in a backward)
+_POOL_MAX = 32  # observations kept per skeleton (many sites share one: mm in a backward)
 
 
 def _walk_mkey(key: tuple, emit: Any) -> tuple:
@@ -838,9 +815,6 @@ def on_meta_put(key: tuple, out: Any) -> None:
         if len(pool.obs) >= MIN_OBS:
             vecs = [o[0] for o in pool.obs]
             found = slope_fits(vecs, len(vals))
-            if not found:
-                got = search_fit(vecs, len(vals))
-                found = [got] if got is not None else []
             known = [f.fits for f in pool.fams]
             for _idx, fits in found:
                 # Sites that share a skeleton may also line up with each other (three Linear

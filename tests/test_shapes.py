@@ -20,7 +20,7 @@ import adaptive_eager as ae
 from adaptive_eager import shapes
 from conftest import assert_same
 
-LEARN = [5, 7, 9, 11, 13, 6, 8, 10, 12, 14, 15, 18]  # fits need 3 sizes (4 for T*T strides)
+LEARN = [5, 7, 9, 11, 13, 6, 8, 10, 12, 14, 15, 18, 19, 21]  # fits need 3 sizes (4 for T*T strides)
 NEW = [20, 33, 17, 40, 27]  # sizes never seen before
 
 
