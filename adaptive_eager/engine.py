@@ -119,6 +119,18 @@ def install_thread_sync() -> None:
     threading.Condition.notify = _notify  # type: ignore[method-assign]
     threading.Condition.wait = _wait  # type: ignore[method-assign]
     threading.Thread.start = _start  # type: ignore[method-assign]
+    # A storage resized in place (FSDP2 frees and reallocates its unsharded parameters with
+    # ``untyped_storage().resize_``) ends pending reads and writes of every tensor on it: they
+    # run first, as in eager they already have (the read guard is not always armed to see the
+    # ``untyped_storage()`` call: Note [read guard] in dispatch/mode.py).
+    resize = torch.UntypedStorage.resize_
+
+    def _resize(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        _flush_before_handoff("storage_resize")
+        return resize(self, size)
+
+    _resize.__doc__ = resize.__doc__
+    torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
 
 
 def _flush_before_handoff(reason: str) -> None:

@@ -67,6 +67,8 @@ class DeferMode(TorchDispatchMode):
             # the op's view base, if any, is that argument.
             a0 = args[0] if args else None
             if type(a0) is not LazyTensor or a0._ae_real is not None or spec.view_arg:
+                if types and _foreign(types):  # Note [foreign subclasses]
+                    return NotImplemented
                 view_arg = spec.view_arg
                 if view_arg is not None and view_arg < len(args):
                     base = args[view_arg]
@@ -82,12 +84,16 @@ class DeferMode(TorchDispatchMode):
             except RunNow as why:
                 return eng.run_fallback(func, spec, args, kwargs, f"sync({why})")
             except Unsupported as why:
+                if types and _foreign(types):  # Note [foreign subclasses]
+                    return NotImplemented
                 return eng.run_fallback(func, spec, args, kwargs, f"unsupported({why})")
             except Exception as err:
                 if is_user_error(err):
                     raise
                 reason = eng.engine_error(err, spec)
                 return eng.run_fallback(func, spec, args, kwargs, reason)
+        if types and _foreign(types):  # Note [foreign subclasses]
+            return NotImplemented
         if policy == ALLOC or policy == PASSTHROUGH:
             M.ops_eager += 1
             with _DisableDispatch():  # metadata-only: wrappers can be passed as they are
@@ -162,6 +168,29 @@ def defer(eng: Engine, func: Any, spec: Any, args: tuple, kwargs: dict,
             raise
         reason = eng.engine_error(err, spec)
         return eng.run_fallback(func, spec, args, kwargs, reason)
+
+
+# Note [foreign subclasses]
+# A tensor subclass with its own __torch_dispatch__ (DTensor, which FSDP2's parameters are;
+# AsyncCollectiveTensor; NestedTensor) must see its ops first: the engine cannot record it (its
+# metadata and its inner tensors are its own), and running the op below the subclass (detach of
+# an ``nn.Parameter(DTensor)`` gave a plain tensor) drops what the subclass does. The mode returns
+# NotImplemented for such calls, torch then runs the subclass's handler, and the ops it makes on
+# its inner tensors reach this mode again as ordinary ops, deferred as usual. Only calls with a
+# subclass argument pay the check (the deferred path only when recording it failed).
+_FOREIGN: dict[type, bool] = {}
+
+
+def _foreign(types: Any) -> bool:
+    for t in types:
+        own = _FOREIGN.get(t)
+        if own is None:
+            own = _FOREIGN[t] = t is not LazyTensor and any(
+                "__torch_dispatch__" in vars(k) for k in t.__mro__
+                if k is not _T and k is not torch._C.TensorBase)
+        if own:
+            return True
+    return False
 
 
 def is_host_scalar_op(args: tuple) -> bool:
