@@ -564,8 +564,11 @@ class CompileManager:
     # ---- the question asked at every flush ----------------------------------------------------
     def program_for(self, entry: TraceEntry, trace: Trace, live: list[int]) -> Any:
         """The program to run this flush with, or None for op-by-op replay."""
-        if not self.backend.compiles or entry.sym is not None:
-            return None  # a symbolic trace (shapes.py) has no dynamic-size program yet
+        if not self.backend.compiles:
+            return None
+        if entry.sym is not None:  # Note [symbolic dims] in shapes.py
+            self._symbolic_replay(entry)
+            return None
         local = None
         with STATE_LOCK:
             state = entry.state
@@ -600,6 +603,15 @@ class CompileManager:
                         and entry.graph.scalars_hold(trace.scalars):
                     return entry.program
         return None
+
+    def _symbolic_replay(self, entry: TraceEntry) -> None:
+        """A symbolic trace has no dynamic-size program yet: once hot, it is decided op by op,
+        so the step-aside estimate weighs it like any measured trace."""
+        if entry.state == "new" and entry.runs >= self.options.hot_after and entry.replay_s:
+            with STATE_LOCK:
+                entry.state = "replay"
+                entry.decision = "op-by-op: symbolic sizes (no dynamic-size program yet)"
+                self.decided.append(entry)
 
     def _rebake(self, entry: TraceEntry, g: graph_mod.TraceGraph, scalars: list[Any]) -> None:
         """A number compiled in as a constant changed: it varies after all. Mark it and compile
