@@ -5,51 +5,62 @@ A trace key holds concrete sizes (an external tensor's metadata, the ints of ``v
 ``slice`` ends, ``arange`` ends), and every trie node holds the concrete output metadata of its
 op (Note [trie of traces]). So a program whose sequence length changes per batch makes a new
 trie path per length, and the first sight of each length runs every op eagerly once to learn
-its metadata (Note [metadata by running]).
+its metadata (Note [metadata by running]). Two layers of learning fix both, each fitted from
+observations and checked against real outputs before it is trusted for a size.
 
-Learning. Each new trace entry is reduced to a *skeleton*: its path of keys and output
-metadata with every fittable int (external sizes and strides, int arguments, output sizes,
-strides and offsets) replaced by a hole. Slot references, alias groups, dtypes and the rest
-stay as they are, so two traces share a skeleton only if they run the same ops on the same
-wiring. Once a skeleton has been seen with ``MIN_OBS`` distinct values of its first varying
-key int (the symbol ``s``: the sequence length, as the first op that sees it reports it), and
-``s`` was never 0 or 1 there, every position is fitted as a polynomial in ``s`` of degree at
-most 2 with rational coefficients (a*s*s + b*s + c: strides of ``[B, H, T, T]`` scores are
-quadratic). A fit must be confirmed by one observation more than it has coefficients;
-positions whose value never changed stay static, even where they equal ``s`` in one run. One
-failed position (a second dimension that varies on its own) and nothing is learnt.
+Fitting. An observation is reduced to a *skeleton* (its keys and output metadata with every
+fittable int replaced by a hole: external and output sizes, strides and offsets, int
+arguments; slot references, alias groups, dtypes and the rest stay, so two observations share a
+skeleton only if they run the same ops on the same wiring) and the vector of those ints.
+Observations of one site at different sizes agree exactly at the site's constant positions, so
+the pool of a skeleton (several sites may share one: the q, k and v of attention, every mm of a
+backward) is bucketed by (positions that differ from the newest observation, the values where
+they agree); a bucket of two earlier observations (three when a position is quadratic, as the
+strides of ``[B, H, T, T]`` scores are) is fitted: the first differing key int is the symbol
+``s`` and every position is a polynomial in ``s`` of degree at most 2 with rational
+coefficients, confirmed by one observation more than it has coefficients. Positions that never
+changed stay static, even where they equal ``s`` once. Observations with ``s`` in {0, 1} are
+never used (broadcasting and contiguity rules change there). Cost: a pass over the pool per
+observation, on the cold path only (an eager metadata run, a new trace).
 
-Use. The result is a ``Template`` hung on the trie node where the observed paths diverge (the
-*anchor*: usually the root). Recording is unchanged until a key misses the trie's concrete
-children (the hot path pays nothing for static traces: the check is on the miss branch); at a
-node with templates the key is matched against the template's first step, which binds ``s``;
-later keys are matched against the following steps, and output metadata is evaluated from the
-fitted polynomials (sizes, strides and offsets; dtype and device are fixed), so no op runs to
-learn metadata and the trace ends at the template's one entry for every ``s``. Guards: ``s`` in
-{0, 1} (broadcasting and contiguity change there), a key that differs in anything but the
-fitted positions, or a value that is not a non-negative integer, leaves the template: the trace
-continues off the trie as today (a detached node, so no static path ever hangs below a
-template node and is found again for another ``s``).
+Single ops (``Family``, ``predict``). The metadata cache learns per skeleton of its keys (op,
+input metadata, int arguments): a fitted family predicts the outputs of the next size, so after
+three sizes a new size records its whole trace with no eager run (first sights no longer cut
+traces into fragments).
 
-Checking. The first op-by-op run of a template at each value of ``s`` keeps every value of
-the trace and compares the real metadata of every predicted output with the prediction
-(``replay_checked``). A disagreement is counted (``sym_mispredicted``), the template is
-dropped (and marked dead on disk), the live lazy tensors are given the real metadata
-(``as_strided_``, as for ``inplace_view`` ops) and the real values, which are eager's for the
-recorded ops. Python code that read a mispredicted shape before the flush may have acted on it:
-that cannot be undone, which is why a fit needs a confirming observation. Later runs at a
-verified ``s`` check only what ``check`` checks.
+Traces (``Template``). New trace entries are fitted the same way over their whole path; the
+result hangs on the trie node where the observed paths diverge (the *anchor*, usually the
+root). Recording is unchanged until a key misses the trie's concrete children (static traces
+pay nothing: the check is on the miss branch of ``engine.record``); at an anchor the key is
+matched against each template's first step (longest template first), which binds ``s``; later
+keys are matched against the following steps and output metadata is evaluated from the
+polynomials (a few integer operations per output), so the trace ends at the template's one
+entry for every ``s``: a trie hit. A key that differs in anything but the fitted positions, or a
+value that is not a non-negative integer, leaves the template: another template with the same
+first steps may go on, else the steps so far become a concrete path below the anchor and the
+trace continues as a static one (so it is learnt from, and no static path ever hangs below a
+template node where another ``s`` would find it).
 
-Why fitted formulas and not FakeTensor + ShapeEnv: a fit costs nothing per op at record time
-beyond evaluating a few integer polynomials (measured in tests/test_shapes.py's docstring
-numbers and the final report), gives CPU kernels' real strides (fake kernels disagree for some
-ops, DESIGN trap 14), and needs no symbolic tracing of the whole trace once per template (55-890
-µs per op on fake tensors). It only knows what it saw: piecewise behaviour outside the
-observed range is caught by the check above, not predicted.
+Checking (``replay_checked``). The first op-by-op run at each value of ``s`` keeps every value of
+the trace and compares the real metadata of every predicted output with the prediction. A
+disagreement is counted (``sym_mispredicted``), the template or family is dropped (a template
+also on disk), the trie keeps eager's metadata for that op, and the live lazy tensors get the
+real metadata (``as_strided_``); their values are eager's for the recorded ops. Python code that
+read a mispredicted shape before the flush may have acted on it: that cannot be undone, which is
+why a fit needs a confirming observation. Later runs at a verified ``s`` check only what
+``check`` checks.
 
-Persistence. A template is stored in the disk cache (a ``stats:`` entry, JSON under the cache's
-HMAC like every value, Note [cache values are data, verified first]) keyed by its anchor's
-digest; the next process attaches it when that trie node is made, and checks each ``s`` again.
+Why fitted formulas and not FakeTensor + ShapeEnv: a fit costs nothing per op beyond matching
+the key and evaluating a few integer polynomials, gives the CPU kernels' own strides (fake
+kernels disagree for some ops, DESIGN trap 14), and needs no symbolic run of the trace (55-890
+µs per op on fake tensors, once per template). It knows only what it saw: piecewise behaviour
+outside the observed sizes is caught by the check above, not predicted.
+
+Persistence. A template is stored in the disk cache (a ``stats:symdims-...`` entry: JSON under the
+cache's HMAC like every value, Note [cache values are data, verified first]; op names, dtypes and
+sizes, nothing executable) keyed by its anchor's digest; the next process attaches it when that
+trie node is made, and checks each ``s`` again. Families are not stored (a loaded template
+needs none).
 """
 
 from __future__ import annotations
