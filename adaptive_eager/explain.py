@@ -131,7 +131,9 @@ def advice(info: dict, where: str) -> str:
     at = f" at {where}" if where else ""
     if cause == "shape":
         return (f"dim {info['dim']} of {info['arg']} of {op} varies {info['old']}..{info['new']}"
-                f"{at}: pad or bucket it to a few fixed sizes")
+                f"{at}: the engine makes such a dim symbolic once it has seen it take three "
+                "values (Note [symbolic dims]); if this keeps missing, another dim varies with "
+                "it: pad or bucket one of them")
     if cause == "rank":
         return f"rank of {info['arg']} of {op} changed {info['old']} -> {info['new']}{at}"
     if cause == "dtype":
