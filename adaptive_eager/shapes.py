@@ -670,18 +670,20 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
     state = tr.sym
     if state is not None and state.tpl is tpl and not tpl.dead:
         s = state.s
-        for t2 in _candidates(tpl, i):
-            k, ksym, out, osym = t2.steps[i]
-            if _match(k, key, [s]) if ksym else k == key:
-                got = _eval(out, s) if osym else out
+        t2 = tpl
+        got = _step_of(tpl, i, key, s) if i < len(tpl.steps) else _MISSING
+        if got is _MISSING:  # another template with the same first i steps may go on
+            for t2 in _others(tpl, i):
+                got = _step_of(t2, i, key, s)
                 if got is not _MISSING:
-                    state.tpl = t2  # another template with the same first i steps goes on
-                    state.outs.append(got)
-                    state.keys.append(key)
-                    tr.node = t2.nodes[i]
-                    M.sym_ops += 1
-                    return got
-                M.sym_guard_fallbacks += 1
+                    break
+        if got is not _MISSING:
+            state.tpl = t2
+            state.outs.append(got)
+            state.keys.append(key)
+            tr.node = t2.nodes[i]
+            M.sym_ops += 1
+            return got
     M.sym_left += 1
     if state is not None and state.tpl is not None and len(state.keys) == node.depth - \
             state.tpl.anchor.depth:
@@ -698,18 +700,27 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
     return _MISSING
 
 
-def _candidates(tpl: Template, i: int) -> list[Template]:
-    """Templates that can serve step i after tpl's first i steps: tpl, then longer ones from
-    the same anchor with the same first i steps (a trace cut short once, whole another time)."""
-    if i < len(tpl.steps):
-        first = [tpl]
-    else:
-        first = []
+def _step_of(tpl: Template, i: int, key: tuple, s: int) -> Any:
+    """Step i of a template for this key at this s: its output metadata, or _MISSING."""
+    k, ksym, out, osym = tpl.steps[i]
+    if not (_match(k, key, [s]) if ksym else k == key):
+        return _MISSING
+    if not osym:
+        return out
+    got = _eval(out, s)
+    if got is _MISSING:
+        M.sym_guard_fallbacks += 1
+    return got
+
+
+def _others(tpl: Template, i: int) -> list[Template]:
+    """Longer templates from the same anchor whose first i steps are tpl's (a trace cut short
+    once, whole another time); looked for only when tpl itself does not go on."""
     sym = tpl.anchor.sym
-    if type(sym) is list and len(sym) > 1:
-        first += [t for t in sym if t is not tpl and not t.dead and len(t.steps) > i
-                  and t.steps[:i] == tpl.steps[:i]]
-    return first
+    if type(sym) is not list or len(sym) < 2:
+        return []
+    return [t for t in sym if t is not tpl and not t.dead and len(t.steps) > i
+            and t.steps[:i] == tpl.steps[:i]]
 
 
 class SymTrace:
