@@ -276,14 +276,23 @@ class ExtPat:
 class OutPat:
     """An output's metadata with fitted sizes, strides and offset."""
 
-    __slots__ = ("size", "stride", "offset", "dtype", "device", "bits")
+    __slots__ = ("size", "stride", "offset", "dtype", "device", "bits", "memo")
 
     def __init__(self, size: tuple, stride: tuple, offset: Any, dtype: torch.dtype,
                  device: torch.device, bits: int) -> None:
         self.size, self.stride, self.offset = size, stride, offset
         self.dtype, self.device, self.bits = dtype, device, bits
+        self.memo: dict[int, Meta | None] = {}  # s -> metadata (sizes recur)
 
     def eval(self, s: int) -> Meta | None:
+        got = self.memo.get(s, _MISSING)
+        if got is _MISSING:
+            got = self._eval(s)
+            if len(self.memo) < 4096:
+                self.memo[s] = got
+        return got  # type: ignore[return-value]
+
+    def _eval(self, s: int) -> Meta | None:
         size = _eval_all(self.size, s)
         stride = _eval_all(self.stride, s)
         off = self.offset(s) if type(self.offset) is Poly else self.offset
