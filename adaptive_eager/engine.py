@@ -159,7 +159,9 @@ def _flush_before_handoff(reason: str) -> None:
 # starts with the op's OpSpec (an OpOverload hashes through a Python __hash__, twice per op); the
 # mode reads the spec off the op (``op._ae_spec``); outputs are made inline, from per-Meta
 # wrapper arguments, with class defaults for the attributes a new lazy tensor lacks; ops without
-# kwargs share one empty dict. Together 64.6k -> 53.9k instructions per recorded op.
+# kwargs share one empty dict. Together 64.6k -> 53.9k instructions per recorded op. Then the
+# TorchFunctionMode went off the stack while nothing needs it (Note [read guard] in
+# dispatch/mode.py): 54.3k -> 44.5k on add16, 58.4k -> 47.6k on the mixed chain.
 
 
 class NeedRun(Exception):
