@@ -11,6 +11,7 @@ from adaptive_eager.dispatch.lazy import LazyTensor, intern_meta, meta_of
 
 _DisableFunction = torch._C.DisableTorchFunction
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.parameter.Buffer)
+_storage = torch._C.TensorBase.untyped_storage  # not torch.Tensor's wrapper (mode.install_hooks)
 
 
 class Slot:
@@ -91,7 +92,7 @@ class Trace:
                     raise Unsupported("meta tensor")
                 meta = meta_of(t)
                 real = t
-            addr = real.untyped_storage().data_ptr()  # type: ignore[union-attr]
+            addr = _storage(real).data_ptr()
         group = self.groups.setdefault(addr, len(self.groups))
         self.ext_ids[id(t)] = len(self.ext)
         self.ext.append(t)
@@ -103,7 +104,7 @@ class Trace:
     def touches_storage(self, t: torch.Tensor) -> bool:
         """Whether a real tensor shares storage with an input of this trace (pending writes)."""
         with _DisableFunction():
-            return t.untyped_storage().data_ptr() in self.groups
+            return _storage(t).data_ptr() in self.groups
 
     def leave_trie(self) -> None:
         self.off_node = self.node

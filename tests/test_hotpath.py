@@ -398,3 +398,31 @@ def test_lazy_guard_option_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ADAPTIVE_EAGER_LAZY_GUARD", "bad")
     with pytest.raises(ae.ConfigError, match="ADAPTIVE_EAGER_LAZY_GUARD"):
         ae.adaptive_eager()
+
+
+def test_memory_handed_out_after_a_pending_read_is_written_in_order() -> None:
+    """numpy/__array__/data_ptr/storages hand out memory the caller may write outside torch:
+    ops recorded before that read the old values (the pending trace runs first), also while
+    the read guard is off the stack (no pending writes, so it is not armed)."""
+    def run(check: bool) -> list:
+        x = torch.arange(4.0)
+        outs = []
+        for i in range(4):
+            y = x * 2  # a deferred read of x
+            if check:
+                assert not _guard_on_stack()
+            x.numpy()[0] = 10 + i  # a write through numpy
+            outs.append(y.tolist())
+            z = x + 1
+            np.asarray(x)[1] = -i  # through __array__
+            w = x - 1
+            x.untyped_storage()[8] = 3  # a byte of element 2, through the storage
+            outs += [z.tolist(), w.tolist(), x.data_ptr() != 0]
+        return outs
+
+    expected = run(False)
+    with ae.adaptive_eager(backend="replay", step_aside=False, check=True):
+        got = run(True)
+    assert got == expected
+    reasons = ae.metrics()["flush_reasons"]
+    assert reasons["read:numpy"] >= 2 and reasons["read:untyped_storage"] >= 2, reasons

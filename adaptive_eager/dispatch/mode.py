@@ -297,7 +297,9 @@ def _copies_to_other_device(args: tuple, kwargs: dict) -> bool:
 #   equal, indexing, copies) need no guard: the dispatch mode sees them.
 # - inside torch.func transforms (Note [functorch transforms]): functorch's nesting entry points
 #   (vmap, grad/vjp, jvp, functionalize) are wrapped to arm it on entry and disarm on exit.
-# The rest of its duties moved to places that cost nothing on other calls: ``.data =`` is a
+# The rest of its duties moved to places that cost nothing on other calls: the methods that hand
+# out a tensor's memory (numpy, __array__, data_ptr, storages, DLPack: the caller may write it
+# after recorded ops read it) are wrapped to flush first, as the guard did; ``.data =`` is a
 # property of torch.Tensor whose setter flushes and stores a lazy value's real value (trap 2);
 # prod/ormqr's eager backward wraps those functions (Note [eager backward]); a device move on a
 # tensor while disarmed reaches the dispatch mode as ``aten._to_copy`` to another device, which
@@ -497,6 +499,33 @@ def _eager_backward_hook(orig: Any) -> Any:
     return wrapper
 
 
+# Methods that hand out the tensor's memory (to numpy, ctypes, DLPack, storages): whoever holds it
+# may write it outside torch, after ops recorded earlier read it, so the pending trace runs first
+# (what the always-armed guard did on every such call), also while the guard is off.
+_EXPOSING = ("numpy", "__array__", "data_ptr", "untyped_storage", "storage", "_typed_storage",
+             "__dlpack__")
+_len_dispatch = torch._C._len_torch_dispatch_stack
+_dispatch_at = torch._C._get_dispatch_stack_at
+
+
+def _exposing_hook(orig: Any, name: str) -> Any:
+    reason = f"read:{name}"
+
+    @functools.wraps(orig)
+    def exposing(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        n = _len_dispatch()
+        if n:  # only from user code under an active engine: its own calls (inside the
+            mode = _dispatch_at(n - 1)  # dispatch handler) find its mode off the stack
+            if type(mode) is DeferMode:
+                eng = mode.engine
+                if eng.trace.ops and not eng.busy and not eng.flushing:
+                    eng.flush(reason)
+        return orig(self, *args, **kwargs)
+
+    exposing._ae_hook = True  # type: ignore[attr-defined]
+    return exposing
+
+
 _data_get = torch._C.TensorBase.data.__get__
 _data_set = _DATA_SET
 
@@ -552,3 +581,9 @@ def install_hooks() -> None:
             _SPECIAL[wrapper] = _EAGER_BACKWARD  # the always-armed one wraps as before
 
         _T.data = property(_data_get, _set_data, doc=torch._C.TensorBase.data.__doc__)
+        for name in _EXPOSING:
+            orig = getattr(_T, name)
+            if not getattr(orig, "_ae_hook", False):
+                wrapper = _exposing_hook(orig, name)
+                setattr(_T, name, wrapper)
+                _SPECIAL[wrapper] = _READ  # the always-armed guard reads as before
