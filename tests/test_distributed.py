@@ -759,6 +759,7 @@ def test_remote_store_serves_another_machines_cache(redis_url: str, tmp_path: Pa
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # about a minute on 2 busy cores
 def test_fsdp2_fully_shard_bitwise(tmp_path: Path) -> None:
     """FSDP2 (fully_shard) of a small transformer (AdamW), op by op: bitwise equal to eager
     FSDP2, replicas identical. DTensor parameters dispatch their own ops (Note [foreign
