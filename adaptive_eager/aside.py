@@ -299,6 +299,16 @@ class Presence:
         if (self.trial is not None or self.verdict is not None or self.aside
                 or self.pending is not None or not self.active):
             return
+        from adaptive_eager import distributed
+
+        if distributed.active():
+            # Note [ranks agree]: ranks settle at different steps (each times its own runs),
+            # so a trial would run fused rounds on one replica while another runs eager ones
+            # (bitwise different arithmetic: DDP replicas diverged in 1 of 5 runs). A job
+            # steps aside only on the agreed estimate, at the same flush on every rank.
+            self.verdict = "engine"
+            self.verdict_decisions = len(self.engine.compiler.decided)
+            return
         self.trial = "engine"
         self._time_anew()
 

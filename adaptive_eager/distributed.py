@@ -16,11 +16,15 @@ in the environment, or an initialized default process group of more than one ran
   this machine's disk remembers the trace as hot. Every rank that runs the same traces switches
   at the same run; no background compile can finish "at a different step".
 - *What* (the plan at that run: look for a program, or stay op by op because this disk says so;
-  keep or drop a measured program; step aside; a trial's verdict) is agreed through the job's
+  keep or drop a measured program; step aside) is agreed through the job's
   c10d store: at each decision point a rank proposes its own answer with
   ``store.compare_set(topic, "", mine)``, and the store keeps the first proposal. Every rank gets
   that first answer back. The topic names the decision by what all ranks share: the trace digest
-  and its run count (or the flush count, or the trial number).
+  and its run count (or the flush count).
+- No measured trial (Note [measured trial] in aside.py): a trial starts once a rank's compile
+  manager has settled, which each rank reaches at its own step, and then alternates fused and
+  eager rounds, so the replicas ran different arithmetic at the same step (1 of 5 fused 2-rank
+  DDP runs diverged). A job steps aside only on the agreed estimate, at one flush count.
 
 Why first-writer-wins on the store, and not a collective or a barrier at the decision point:
 compare_set never waits for another rank. A rank that runs traces its peers do not (rank 0
