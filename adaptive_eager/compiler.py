@@ -402,6 +402,50 @@ def _script_id() -> str:
         return ""
 
 
+class _CheckedSize:
+    """A symbolic program's first fused run at one size (Note [symbolic programs] in graph.py):
+    the program runs on copies of the inputs, the trace op by op on the real ones, and the
+    op-by-op values are returned; agreement within the fused tolerance lets later runs at this
+    size run fused. A raise or a difference is counted; that size stays op by op, and a trace
+    with two bad sizes is quarantined."""
+
+    def __init__(self, mgr: CompileManager, entry: TraceEntry, trace: Trace, prog: Any, s: int,
+                 sizes: dict[int, bool]) -> None:
+        self.mgr, self.entry, self.trace, self.prog, self.s, self.sizes = (
+            mgr, entry, trace, prog, s, sizes)
+
+    def __call__(self, *inputs: Any) -> list[Any]:
+        from adaptive_eager.execute import replay
+        from adaptive_eager.fused import _close
+
+        g = self.entry.graph
+        copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        try:
+            outs = list(self.prog(*copies))
+        except Exception as err:
+            outs = None
+            why = f"raised {type(err).__name__}: {str(err)[:200]}"
+        env = replay(self.trace, list(g.live), False)
+        if outs is not None:
+            bad = [f"output slot {s}" for s, o in zip(g.live, outs)
+                   if env[s] is not None and not _close(o, env[s])]
+            bad += [f"input {i}" for i, (c, r) in enumerate(zip(copies, inputs))
+                    if isinstance(c, torch.Tensor) and not _close(c, r)]
+            why = ", ".join(bad[:4])
+        ok = outs is not None and not bad
+        self.sizes[self.s] = ok
+        self.mgr._untimed = self.entry
+        if ok:
+            M.sym_checked += 1
+        else:
+            M.sym_program_fallbacks += 1
+            log.warning("adaptive_eager: the dynamic-size program of trace %s at s=%d: %s; "
+                        "that size runs op by op", self.entry.digest[:12], self.s, why)
+            if sum(1 for v in self.sizes.values() if not v) >= 2:
+                self.mgr.quarantine(self.entry, f"dynamic-size program wrong at two sizes ({why})")
+        return [env[s] for s in g.live]
+
+
 def _transient(err: BaseException) -> bool:
     """A failure a later process may not see (Note [persisted decisions])."""
     if isinstance(err, (OSError, TimeoutError, MemoryError, HelperFailed)):
@@ -430,6 +474,8 @@ class CompileManager:
         self.backend: Backend = get_backend(options.backend)
         self.disk: DiskCache | None = None
         self._logged: set[str] = set()
+        self._sym_sizes: dict[str, dict[int, bool]] = {}  # symbolic trace -> s -> run fused?
+        self._untimed: TraceEntry | None = None  # a checked run: not the program's time
         self.decided: list[TraceEntry] = []
         self.flushes = 0
         self.hits = 0
@@ -567,8 +613,27 @@ class CompileManager:
         if not self.backend.compiles:
             return None
         if entry.sym is not None:  # Note [symbolic dims] in shapes.py
-            self._symbolic_replay(entry)
+            if not getattr(self.options, "symbolic_programs", False):
+                self._symbolic_replay(entry)
+                return None
+            prog = self._program_for(entry, trace, live)
+            return None if prog is None else self._symbolic_program(entry, trace, prog)
+        return self._program_for(entry, trace, live)
+
+    def _symbolic_program(self, entry: TraceEntry, trace: Trace, prog: Any) -> Any:
+        """Note [symbolic programs] (graph.py): the program for this size, checked against
+        op-by-op replay on the size's first fused run; None (op by op) for a size that failed."""
+        st = trace.sym
+        g = entry.graph
+        if st is None or st.tpl is not entry.sym or st.s < 2 or g is None or not g.dynamic:
             return None
+        sizes = self._sym_sizes.setdefault(entry.digest, {})
+        ok = sizes.get(st.s)
+        if ok is None:
+            return _CheckedSize(self, entry, trace, prog, st.s, sizes)
+        return prog if ok else None
+
+    def _program_for(self, entry: TraceEntry, trace: Trace, live: list[int]) -> Any:
         local = None
         with STATE_LOCK:
             state = entry.state
@@ -595,7 +660,7 @@ class CompileManager:
                         and fut.done()):  # loaded at once (compile_async off)
                     local = self._compiled(entry)
                 if entry.state in ("measuring", "fused"):
-                    return self.program_for(entry, trace, live)
+                    return self._program_for(entry, trace, live)
         if local is not None:  # outside the lock: other threads' flushes go on meanwhile
             self._compile_here(entry, *local)
             with STATE_LOCK:
@@ -641,7 +706,8 @@ class CompileManager:
             return None
         if not entry.disk_checked:
             entry.disk_checked = True
-            if self._from_disk(entry, trace, live):
+            # symbolic programs are compiled here and kept off disk (Note [symbolic programs])
+            if entry.sym is None and self._from_disk(entry, trace, live):
                 return None
         # Runs counted by a backend that never compiles (another engine's replay backend) saw
         # no numbers compared: a trace hot from those alone would bake in every number.
@@ -656,7 +722,11 @@ class CompileManager:
         """Start compiling: in the helper (via the worker), or return what the flushing thread
         compiles here (Note [in-process compiles])."""
         try:
-            g = graph_mod.build(trace, live, entry.varying)
+            if entry.sym is not None:  # compiled here, kept off disk (Note [symbolic programs])
+                entry.in_process = True
+                g = graph_mod.build(trace, live, entry.varying, template=trace.sym)
+            else:
+                g = graph_mod.build(trace, live, entry.varying)
         except Exception as err:  # Unfusable, or a trace shape we do not handle
             self._fail(entry, "graph", err)
             return None
@@ -740,6 +810,8 @@ class CompileManager:
         with outside_modes(), _compile_guard(), span("adaptive_eager.compile"), progress(label):
             program = self.backend.compile(g)
         seconds = time.perf_counter() - start
+        if g.dynamic:
+            M.sym_programs += 1
         entry.from_bytes = False
         M.compiles += 1
         M.compile_seconds += seconds
@@ -893,6 +965,9 @@ class CompileManager:
 
     # ---- measuring and deciding ---------------------------------------------------------------
     def record_fused(self, entry: TraceEntry, seconds: float) -> None:
+        if self._untimed is entry:  # a size's checked run also replayed: no timing
+            self._untimed = None
+            return
         with STATE_LOCK:
             entry.fused_runs += 1
             if entry.fused_runs == 1 and entry.state == "measuring":

@@ -110,6 +110,8 @@ class TraceGraph:
     live: tuple[int, ...]  # slots returned by the program, in output order
     example_inputs: list[Any]
     n_ops: int
+    # per tensor input (plan order): the dims that follow the symbol s (Note [symbolic programs])
+    dynamic: tuple[tuple[int, ...], ...] | None = None
 
     def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any] | None:
         """Program inputs for this run, or None when its aliased inputs moved (then replay)."""
@@ -269,9 +271,10 @@ def ext_reals(trace: Trace) -> list[torch.Tensor]:
     return [t._ae_real if type(t) is LazyTensor else t for t in trace.ext]  # type: ignore[misc]
 
 
-def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
+def build(trace: Trace, live: list[int], varying: set[int], template: Any = None) -> TraceGraph:
     """The FX graph of ``trace`` returning ``live`` slots, numbers at ``varying`` positions
-    lifted to inputs."""
+    lifted to inputs. ``template``: the trace's shapes.SymTrace when its entry is a template's
+    (Note [symbolic programs]): sizes that follow s are computed from the inputs' sizes."""
     if trace.grad_ops:  # Note [grad-mode kernels] in engine.py: compiled below autograd,
         # such a kernel would run without the grad mode it was recorded in (LSTM's
         # mkldnn_rnn_layer then returns no workspace: every program failed when run)
@@ -286,6 +289,15 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
     groups, plan, bases = _tensor_placeholders(g, reals)
     lifted_at = {i: g.placeholder(f"s{i}") for i in lifted}  # placeholders all come first
     ext_nodes, offsets = _member_views(g, reals, groups, bases)
+    sym_args: dict[int, list[Any]] = {}
+    dynamic = None
+    poly_node: Any = None
+    if template is not None:
+        if offsets:
+            raise Unfusable("a symbolic trace with inputs that share storage")
+        sym_args, dims, sources = _symbolic_plan(trace, template, reals)
+        _, poly_node = _symbol_node(g, ext_nodes, sources)
+        dynamic = tuple(dims.get(item[1], ()) for item in plan)
     baked = tuple(i for i in range(len(scalars)) if i not in varying)
     env: dict[int, fx.Node] = {}
     scalar_pos = [0]
@@ -296,14 +308,20 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
         ph = lifted_at.get(i)
         return v if ph is None else g.call_function(aten.item.default, (ph,))
 
-    for op, args, kwargs, slots in trace.ops:
+    for n_op, (op, args, kwargs, slots) in enumerate(trace.ops):
         from adaptive_eager.dispatch.opspec import spec_for
 
         spec = spec_for(op)
+        polys = sym_args.get(n_op)
+        if polys is not None:  # ints that follow s become markers, then nodes (below)
+            args, kwargs = _mark_ints(args, kwargs, spec, iter(polys))
         cargs = tuple(_convert(a, i in spec.scalar_pos, spec, trace, ext_nodes, env, scalar)
                       for i, a in enumerate(args))
         ckw = {k: _convert(v, k in spec.scalar_kw, spec, trace, ext_nodes, env, scalar)
                for k, v in kwargs.items()}
+        if polys is not None:
+            cargs = _unmark(cargs, poly_node)
+            ckw = {k: _unmark(v, poly_node) for k, v in ckw.items()}
         if op in _LERP_TENSOR and isinstance(cargs[2], fx.Node):
             weight = g.call_function(aten.scalar_tensor.default, (cargs[2],),
                                      {"dtype": _dtype_of(args[0], trace)})
@@ -330,7 +348,230 @@ def build(trace: Trace, live: list[int], varying: set[int]) -> TraceGraph:
                       baked=baked, baked_values=tuple(scalars[i] for i in baked),
                       live=tuple(live),
                       example_inputs=[*tensors, *(_scalar_input(scalars[i]) for i in lifted)],
-                      n_ops=len(trace.ops))
+                      n_ops=len(trace.ops), dynamic=dynamic)
+
+
+# Note [symbolic programs]
+# A template's entry (Note [symbolic dims] in shapes.py) serves every value of s with one trace
+# of concrete ops. Its graph computes every int argument the template fitted as a polynomial in
+# s from s itself, and s from ``aten.sym_size.int`` of the first input whose template dim is
+# exactly s; the backend compiles it with those input dims dynamic (one program, every size).
+# The template's keys and the trace's arguments are walked in the same order, and every value is
+# checked against the polynomial at this run's s: a disagreement (the walks do not line up) is
+# Unfusable, never a guess. Inputs that share storage (synthetic bases bake offsets and storage
+# sizes) are refused. Sizes 0 and 1 never reach a template (shapes.py guards them), and the
+# compiler checks each size's first fused run against op-by-op replay.
+class _PolyArg:
+    """An int argument that follows s, until the graph computes it."""
+
+    __slots__ = ("p",)
+
+    def __init__(self, p: Any) -> None:
+        self.p = p
+
+
+def _key_ints(part: Any, tensor: bool, out: list) -> None:
+    """The fitted int arguments of a template key part, in order (shapes._walk's order)."""
+    from adaptive_eager.shapes import Poly
+
+    t = type(part)
+    if t is int or t is Poly:
+        if not tensor:
+            out.append(part)
+    elif t is tuple:
+        if len(part) == 3 and part[0] == "x":
+            return
+        if len(part) == 2 and part[0] is int:
+            out.append(part[1])
+        elif len(part) == 2 and isinstance(part[0], type):
+            return
+        else:
+            for x in part:
+                _key_ints(x, True, out)
+
+
+def _step_ints(key: tuple) -> list:
+    from adaptive_eager.shapes import _ctx
+
+    spec = key[0]
+    pos, kw = _ctx(spec)
+    out: list = []
+    i, p, n = 1, 0, len(key)
+    while i < n:
+        part = key[i]
+        if type(part) is str and part in kw and i + 1 < n:
+            _key_ints(key[i + 1], kw[part], out)
+            i += 2
+            continue
+        _key_ints(part, p < len(pos) and pos[p], out)
+        p += 1
+        i += 1
+    return out
+
+
+def _arg_int_sites(a: Any, top: bool, scalar: bool, spec: Any, out: list) -> None:
+    """The int arguments of one recorded argument that a key holds as values, in key order."""
+    t = type(a)
+    if t is int:
+        if not top or spec.structural or not scalar:
+            out.append(a)
+    elif t is list or t is tuple:
+        for x in a:
+            if type(x) is int:
+                out.append(x)
+
+
+def _ext_parts(part: Any, out: list) -> None:
+    if type(part) is tuple:
+        if len(part) == 3 and part[0] == "x":
+            out.append(part[1])
+            return
+        for x in part:
+            _ext_parts(x, out)
+
+
+def _arg_exts(a: Any, out: list) -> None:
+    if isinstance(a, torch.Tensor):
+        out.append(a)
+    elif type(a) is list or type(a) is tuple:
+        for x in a:
+            _arg_exts(x, out)
+
+
+def _symbolic_plan(trace: Trace, st: Any, reals: list[torch.Tensor]
+                   ) -> tuple[dict[int, list[Any]], dict[int, tuple[int, ...]], list]:
+    """Per op: its int arguments' polynomials (None where static); per external: its dims
+    that follow s. Raises Unfusable where the template and the trace do not line up."""
+    from adaptive_eager.dispatch.opspec import spec_for
+    from adaptive_eager.shapes import ExtPat, Poly
+
+    tpl, s, first = st.tpl, st.s, st.first
+    if tpl is None or s < 2 or first + len(tpl.steps) != len(trace.ops):
+        raise Unfusable("the trace is not its template's whole path")
+    seen: set[int] = set()
+    for op, args, kwargs, _ in trace.ops[:first]:
+        exts: list = []
+        for a in (*args, *kwargs.values()):
+            _arg_exts(a, exts)
+        seen.update(trace.ext_ids[id(t)] for t in exts)
+    sym_args: dict[int, list[Any]] = {}
+    dims: dict[int, tuple[int, ...]] = {}
+    sources: list[tuple[int, int, Any]] = []  # (external, dim, its polynomial)
+    for j, (key, ksym, _out, _osym) in enumerate(tpl.steps):
+        n_op = first + j
+        op, args, kwargs, _ = trace.ops[n_op]
+        spec = spec_for(op)
+        exts = []
+        for a in (*args, *kwargs.values()):
+            _arg_exts(a, exts)
+        new = []
+        for t in exts:
+            e = trace.ext_ids[id(t)]
+            if e not in seen:
+                seen.add(e)
+                new.append(e)
+        pats: list = []
+        for part in key[1:]:
+            _ext_parts(part, pats)
+        if len(pats) != len(new):
+            raise Unfusable("template inputs and trace inputs do not line up")
+        for e, pat in zip(new, pats):
+            r = reals[e]
+            if type(pat) is not ExtPat:
+                continue
+            size = [p(s) if type(p) is Poly else p for p in pat.size]
+            stride = [p(s) if type(p) is Poly else p for p in pat.stride]
+            if tuple(size) != tuple(r.shape) or tuple(stride) != r.stride():
+                raise Unfusable("an input's metadata is not its template's at this size")
+            dyn = tuple(d for d, p in enumerate(pat.size) if type(p) is Poly)
+            if any(type(p) is Poly for p in pat.stride) and not dyn:
+                raise Unfusable("an input's strides follow s but none of its sizes")
+            if dyn:
+                dims[e] = dyn
+                sources.extend((e, d, pat.size[d]) for d in dyn)
+        if not ksym:
+            continue
+        want = _step_ints(key)
+        have: list[int] = []
+        for i, a in enumerate(args):
+            _arg_int_sites(a, True, i in spec.scalar_pos, spec, have)
+        for k, v in kwargs.items():
+            _arg_int_sites(v, True, k in spec.scalar_kw, spec, have)
+        if len(want) != len(have) or any(
+                (p(s) if type(p) is Poly else p) != v for p, v in zip(want, have)):
+            raise Unfusable(f"{op}: template ints and trace ints do not line up")
+        if any(type(p) is Poly for p in want):
+            sym_args[n_op] = [p if type(p) is Poly else None for p in want]
+    if not dims:
+        raise Unfusable("no input size follows s")
+    sources.sort(key=lambda x: x[0])
+    return sym_args, dims, sources
+
+
+def _symbol_node(g: fx.Graph, ext_nodes: list, sources: list[tuple[int, int, Any]]
+                 ) -> tuple[fx.Node, Any]:
+    """s from an input's size (the first one that is k*s), and a maker of nodes computing a
+    polynomial of s (SymInt arithmetic: the compiler sees sizes, not constants)."""
+    src = next(((e, d, p) for e, d, p in sources if p.c0 == 0 and p.c2 == 0 and p.d == 1), None)
+    if src is None:
+        raise Unfusable("no input size is a multiple of s")
+    e, d, p = src
+    sym = g.call_function(aten.sym_size.int, (ext_nodes[e], d))
+    if p.c1 != 1:
+        sym = g.call_function(operator.floordiv, (sym, p.c1))
+    made: dict[Any, Any] = {}
+
+    def node_of(q: Any) -> Any:
+        got = made.get(q)
+        if got is None:
+            v: Any = sym
+            if q.c2:
+                v = g.call_function(operator.mul, (g.call_function(operator.mul, (sym, sym)),
+                                                   q.c2))
+                if q.c1:
+                    v = g.call_function(operator.add, (v, g.call_function(
+                        operator.mul, (sym, q.c1))))
+            elif q.c1 != 1:
+                v = g.call_function(operator.mul, (sym, q.c1))
+            if q.c1 == 0 and q.c2 == 0:
+                raise Unfusable("a constant fitted as a polynomial")
+            if q.c0:
+                v = g.call_function(operator.add, (v, q.c0))
+            if q.d != 1:
+                v = g.call_function(operator.floordiv, (v, q.d))
+            got = made[q] = v
+        return got
+
+    return sym, node_of
+
+
+def _mark_ints(args: tuple, kwargs: dict, spec: Any, polys: Any) -> tuple[tuple, dict]:
+    """Ints that follow s replaced by _PolyArg markers, in _arg_int_sites' order."""
+    def item(x: Any) -> Any:
+        if type(x) is not int:
+            return x
+        p = next(polys)
+        return x if p is None else _PolyArg(p)
+
+    def mark(a: Any, scalar: bool) -> Any:
+        t = type(a)
+        if t is int:
+            return item(a) if (spec.structural or not scalar) else a
+        if t is list or t is tuple:
+            return t(item(x) for x in a)
+        return a
+
+    return (tuple(mark(a, i in spec.scalar_pos) for i, a in enumerate(args)),
+            {k: mark(v, k in spec.scalar_kw) for k, v in kwargs.items()})
+
+
+def _unmark(a: Any, node_of: Any) -> Any:
+    t = type(a)
+    if t is _PolyArg:
+        return node_of(a.p)
+    if t is list or t is tuple:
+        return t(_unmark(x, node_of) for x in a)
+    return a
 
 
 def _dtype_of(a: Any, trace: Trace) -> torch.dtype:

@@ -18,6 +18,7 @@ class Metrics:
         "compile_load_seconds", "compile_wait_seconds", "prefetched", "program_waits",
         "service_pending", "sym_learned", "sym_loaded", "sym_ops", "sym_hits", "sym_verified",
         "sym_guard_fallbacks", "sym_left", "sym_mispredicted", "sym_dims",
+        "sym_programs", "sym_checked", "sym_program_fallbacks",
     )
 
     def __init__(self) -> None:
@@ -75,6 +76,9 @@ class Metrics:
         self.sym_left = 0  # traces that left a template midway (went on as static keys)
         self.sym_mispredicted = 0  # predictions the replay check found wrong (template dropped)
         self.sym_dims: dict[str, int] = {}  # "dims of op at file:line" -> traces served
+        self.sym_programs = 0  # dynamic-size programs compiled for symbolic traces
+        self.sym_checked = 0  # sizes whose first fused run agreed with op-by-op replay
+        self.sym_program_fallbacks = 0  # symbolic fused runs replayed instead (raise, mismatch)
         self.program_waits: dict[str, float] = {}  # trace -> seconds until its program was ready
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()

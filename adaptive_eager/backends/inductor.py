@@ -53,9 +53,14 @@ class InductorBackend:
         ensure_kernel_dir()
         start = time.time()
         with torch.no_grad():  # an inference program: autograd already ran above the engine
-            program = torch._inductor.standalone_compile(
-                graph.gm, _detached(graph.example_inputs), dynamic_shapes="from_example_inputs",
-                options=self.options, aot=True)
+            if getattr(graph, "dynamic", None):  # Note [symbolic programs] in graph.py
+                fakes = _fake_dynamic(graph)
+                program = torch._inductor.standalone_compile(
+                    graph.gm, fakes, dynamic_shapes="from_graph", options=self.options, aot=True)
+            else:
+                program = torch._inductor.standalone_compile(
+                    graph.gm, _detached(graph.example_inputs),
+                    dynamic_shapes="from_example_inputs", options=self.options, aot=True)
         if trust.loose_umask():  # kernels made 0777 would be refused (and deleted) next run
             trust.tighten(chosen_kernel_dir(), start)
         return program
@@ -81,6 +86,29 @@ class InductorBackend:
         if not data.startswith(key):
             raise ValueError("artifact was compiled by another torch build")
         return AOTCompiledArtifact.deserialize(data[len(key):])
+
+
+def _fake_dynamic(graph: Any) -> list[Any]:
+    """Fake inputs with the graph's symbolic dims dynamic (one ShapeEnv), propagated through
+    the graph so that ``dynamic_shapes="from_graph"`` compiles one program for every size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = []
+    inputs = _detached(graph.example_inputs)
+    dyn = list(graph.dynamic) + [()] * (len(inputs) - len(graph.dynamic))
+    for t, dims in zip(inputs, dyn):
+        if dims:
+            ctx = StatelessSymbolicContext(dynamic_sizes=[
+                DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())])
+            fakes.append(mode.from_tensor(t, symbolic_context=ctx))
+        else:
+            fakes.append(mode.from_tensor(t, static_shapes=True))
+    FakeTensorProp(graph.gm, mode).propagate_dont_convert_inputs(*fakes)
+    return fakes
 
 
 def _build_key() -> bytes:

@@ -1,0 +1,94 @@
+"""Dynamic-size programs for symbolic traces (issue 15 stage 2, Note [symbolic programs] in
+adaptive_eager/graph.py): a hot template trace compiles once into one Inductor program that
+serves every value of s; each size's first fused run is checked against op-by-op replay.
+
+Eager runs first on the same inputs; fused results are compared within the tolerance the
+crosscheck uses (adaptive_eager.fused._TOL), op-by-op ones bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import adaptive_eager as ae
+
+LEARN = [5, 7, 9, 11, 13, 6, 8, 10]  # enough sizes for a template, then hot
+NEW = [20, 33, 17, 20, 33, 17, 40, 40, 20, 33, 17]  # never seen while learning
+RTOL, ATOL = 1.3e-4, 1e-4  # fused float32 tolerance (fused._TOL)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.LayerNorm(16)
+
+
+def _block(ln: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """LayerNorm, a view whose sizes come from x.shape, softmax over T, a sum."""
+    B, T, C = x.shape
+    h = ln(x).view(B, T, 2, 8)
+    return h.softmax(1).sum(-1) * 2.0
+
+
+def _inputs(sizes: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, T, 16, generator=g) for T in sizes]
+
+
+def _keys(m: dict) -> dict:
+    return {k: m[k] for k in ("compiles", "compiled_runs", "sym_programs", "sym_checked",
+                              "sym_program_fallbacks", "compile_errors", "fused_errors")}
+
+
+def test_one_program_serves_every_size() -> None:
+    ln = _model()
+    xs = _inputs(LEARN + NEW + [1])
+    with torch.no_grad():
+        want = [_block(ln, x) for x in xs]
+    steps = []
+    with ae.adaptive_eager(compile_async=False, hot_after=2), torch.no_grad():
+        for x in xs:
+            y = _block(ln, x)
+            ae.sync()
+            steps.append((y, _keys(ae.metrics())))
+    after_learn = steps[len(LEARN) - 1][1]
+    assert after_learn["sym_programs"] == 1 and after_learn["compiles"] == 1, [
+        m for _, m in steps]
+    final = steps[-1][1]
+    assert final["compiles"] == 1 and final["sym_programs"] == 1  # one program, every size
+    assert final["compile_errors"] == 0 and final["fused_errors"] == 0
+    assert final["sym_program_fallbacks"] == 0
+    seen: set[int] = set()
+    unchecked = 0  # fused runs of the program itself at a size checked before
+    prev = after_learn
+    for i in range(len(LEARN), len(xs)):
+        (y, m), T = steps[i], xs[i].shape[1]
+        if T == 1:  # s in {0, 1} never reaches a template: op by op, eager's bits
+            assert m["compiled_runs"] == prev["compiled_runs"]
+            assert torch.equal(y, want[i])
+        elif T in seen:  # a checked size: the program's result (or a paired op-by-op run)
+            assert m["sym_checked"] == prev["sym_checked"]
+            unchecked += m["compiled_runs"] - prev["compiled_runs"]
+            torch.testing.assert_close(y, want[i], rtol=RTOL, atol=ATOL)
+        else:  # first fused run at this size: checked, replay's (eager's) values returned
+            assert m["sym_checked"] == prev["sym_checked"] + 1
+            assert torch.equal(y, want[i])
+        seen.add(T)
+        prev = m
+    assert unchecked >= 3
+
+
+def test_option_off_runs_op_by_op() -> None:
+    ln = _model()
+    xs = _inputs(LEARN + [20, 20])
+    with torch.no_grad():
+        want = [_block(ln, x) for x in xs]
+    with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=False), \
+            torch.no_grad():
+        got = []
+        for x in xs:
+            got.append(_block(ln, x))
+            ae.sync()
+        m = ae.metrics()
+    assert m["compiles"] == 0 and m["compiled_runs"] == 0
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
