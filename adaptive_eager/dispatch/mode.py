@@ -544,7 +544,8 @@ _hooks_lock = threading.Lock()
 
 
 def install_hooks() -> None:
-    """Install the stand-ins for the disarmed guard (idempotent; on the first engine start)."""
+    """Install the functorch and backward hooks of the read guard (idempotent; on the first
+    engine start; the function wrappers are installed at import, _install_wrappers)."""
     global _hooks_installed
     with _hooks_lock:
         if _hooks_installed:
@@ -574,16 +575,25 @@ def install_hooks() -> None:
 
         autograd._engine_run_backward = _engine_run_backward  # type: ignore[assignment]
 
-        for owner, name in ((torch, "prod"), (_T, "prod"), (torch, "ormqr"), (_T, "ormqr")):
-            wrapper = _eager_backward_hook(getattr(owner, name))
-            setattr(owner, name, wrapper)
-            _SPECIAL_LAZY[wrapper] = _ORIGINAL  # seen by the armed guard for method calls
-            _SPECIAL[wrapper] = _EAGER_BACKWARD  # the always-armed one wraps as before
 
+def _install_wrappers() -> None:
+    """Function-level stand-ins, installed when this package is imported: code that takes a
+    reference to ``torch.prod`` later (OpInfo's database, ``from torch import prod``) gets them."""
+    for owner, name in ((torch, "prod"), (_T, "prod"), (torch, "ormqr"), (_T, "ormqr")):
+        if getattr(getattr(owner, name), "_ae_hook", False):
+            continue
+        wrapper = _eager_backward_hook(getattr(owner, name))
+        setattr(owner, name, wrapper)
+        _SPECIAL_LAZY[wrapper] = _ORIGINAL  # seen by the armed guard for method calls
+        _SPECIAL[wrapper] = _EAGER_BACKWARD  # the always-armed one wraps as before
+    if not isinstance(_T.__dict__.get("data"), property):
         _T.data = property(_data_get, _set_data, doc=torch._C.TensorBase.data.__doc__)
-        for name in _EXPOSING:
-            orig = getattr(_T, name)
-            if not getattr(orig, "_ae_hook", False):
-                wrapper = _exposing_hook(orig, name)
-                setattr(_T, name, wrapper)
-                _SPECIAL[wrapper] = _READ  # the always-armed guard reads as before
+    for name in _EXPOSING:
+        orig = getattr(_T, name)
+        if not getattr(orig, "_ae_hook", False):
+            wrapper = _exposing_hook(orig, name)
+            setattr(_T, name, wrapper)
+            _SPECIAL[wrapper] = _READ  # the always-armed guard reads as before
+
+
+_install_wrappers()
