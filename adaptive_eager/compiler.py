@@ -722,8 +722,7 @@ class CompileManager:
         """Start compiling: in the helper (via the worker), or return what the flushing thread
         compiles here (Note [in-process compiles])."""
         try:
-            if entry.sym is not None:  # compiled here, kept off disk (Note [symbolic programs])
-                entry.in_process = True
+            if entry.sym is not None:  # Note [symbolic programs] in graph.py
                 g = graph_mod.build(trace, live, entry.varying, template=trace.sym)
             else:
                 g = graph_mod.build(trace, live, entry.varying)
@@ -835,6 +834,8 @@ class CompileManager:
         seconds = time.perf_counter() - start
         M.compiles += 1  # counted here: a process may end before a flush picks the program up
         M.compile_seconds += seconds
+        if g.dynamic:
+            M.sym_programs += 1
         self._store(entry, g, None, seconds, data)
         return self._load_compiled(data, g, entry), seconds
 
@@ -917,6 +918,8 @@ class CompileManager:
                 M.compiles += 1
                 M.service_compiles += 1
                 M.compile_seconds += seconds
+                if g.dynamic:
+                    M.sym_programs += 1
             self._store(entry, g, None, seconds, data, stored=bool(header.get("stored")))
             return self._load_compiled(data, g, entry), seconds
         if status == "error":

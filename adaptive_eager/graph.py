@@ -226,7 +226,27 @@ def _storage_numel(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size()
 
 
-def _tensor_placeholders(g: fx.Graph, reals: list[torch.Tensor]
+def _split_ok(trace: Trace, dims: dict[int, tuple[int, ...]]) -> set[int]:
+    """Externals that follow s and that no op writes: they may enter as separate inputs even
+    where they share storage (the same ids passed as input_ids and labels), as nothing a
+    program does to one can show through another."""
+    if not dims:
+        return set()
+    written: set[int] = set()
+    for op, args, kwargs, _ in trace.ops:
+        if not isinstance(op, torch._ops.OpOverload):
+            return set()
+        for pos, a in enumerate(op._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = kwargs.get(a.name, args[pos] if pos < len(args) else None)
+            found: list = []
+            _arg_exts(v, found)
+            written.update(trace.ext_ids[id(t)] for t in found if id(t) in trace.ext_ids)
+    return {i for i in dims if i not in written}
+
+
+def _tensor_placeholders(g: fx.Graph, reals: list[torch.Tensor], split: set[int] = frozenset()
                          ) -> tuple[list[list[int]], list[tuple], dict[int, fx.Node]]:
     """Note [synthetic bases]
     External tensors that share storage (``weight`` and ``weight.t()`` in one trace) cannot be
@@ -235,7 +255,8 @@ def _tensor_placeholders(g: fx.Graph, reals: list[torch.Tensor]
     graph, so functionalization sees one input with views (as AOTAutograd's synthetic bases)."""
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(reals):
-        groups.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+        groups.setdefault(("own", i) if i in split else t.untyped_storage().data_ptr(),
+                          []).append(i)
     plan: list[tuple] = []
     bases: dict[int, fx.Node] = {}
     for members in groups.values():
@@ -286,16 +307,20 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
     _bit_view_slots(trace, live)
     scalars = trace.scalars
     lifted = tuple(i for i in range(len(scalars)) if i in varying)
-    groups, plan, bases = _tensor_placeholders(g, reals)
+    sym_args: dict[int, list[Any]] = {}
+    dims: dict[int, tuple[int, ...]] = {}
+    sources: list = []
+    if template is not None:
+        sym_args, dims, sources = _symbolic_plan(trace, template, reals)
+    groups, plan, bases = _tensor_placeholders(g, reals, _split_ok(trace, dims))
     lifted_at = {i: g.placeholder(f"s{i}") for i in lifted}  # placeholders all come first
     ext_nodes, offsets = _member_views(g, reals, groups, bases)
-    sym_args: dict[int, list[Any]] = {}
     dynamic = None
     poly_node: Any = None
     if template is not None:
-        if offsets:
-            raise Unfusable("a symbolic trace with inputs that share storage")
-        sym_args, dims, sources = _symbolic_plan(trace, template, reals)
+        # a synthetic base bakes in its storage size and offsets: only static members
+        if any(len(grp) > 1 and any(i in dims for i in grp) for grp in groups):
+            raise Unfusable("inputs that follow s share storage and are written")
         _, poly_node = _symbol_node(g, ext_nodes, sources)
         dynamic = tuple(dims.get(item[1], ()) for item in plan)
     baked = tuple(i for i in range(len(scalars)) if i not in varying)
@@ -355,12 +380,17 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
 # A template's entry (Note [symbolic dims] in shapes.py) serves every value of s with one trace
 # of concrete ops. Its graph computes every int argument the template fitted as a polynomial in
 # s from s itself, and s from ``aten.sym_size.int`` of the first input whose template dim is
-# exactly s; the backend compiles it with those input dims dynamic (one program, every size).
-# The template's keys and the trace's arguments are walked in the same order, and every value is
+# k*s; the backend compiles it with those input dims dynamic (one program, every size). The
+# template's keys and the trace's arguments are walked in the same order, and every value is
 # checked against the polynomial at this run's s: a disagreement (the walks do not line up) is
-# Unfusable, never a guess. Inputs that share storage (synthetic bases bake offsets and storage
-# sizes) are refused. Sizes 0 and 1 never reach a template (shapes.py guards them), and the
-# compiler checks each size's first fused run against op-by-op replay.
+# Unfusable, never a guess. Inputs that follow s and share storage enter as separate inputs
+# when no op writes them (the same ids as input_ids and labels), else the trace is refused (a
+# synthetic base bakes in storage sizes and offsets); static groups (tied weights) keep their
+# base. Sizes 0 and 1 never reach a template (shapes.py guards them). The graph travels to the
+# compile helper like any (its ``dynamic`` field with it); the program is not loaded from disk
+# by a later process (it compiles again). The compiler runs each size's first fused run on
+# copies next to op-by-op replay and returns replay's values (compiler._CheckedSize): a size
+# whose program raised or differed stays op by op, two such sizes quarantine the trace.
 class _PolyArg:
     """An int argument that follows s, until the graph computes it."""
 
