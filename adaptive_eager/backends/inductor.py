@@ -108,6 +108,13 @@ def _fake_dynamic(graph: Any) -> list[Any]:
         else:
             fakes.append(mode.from_tensor(t, static_shapes=True))
     FakeTensorProp(graph.gm, mode).propagate_dont_convert_inputs(*fakes)
+    # from_graph takes its fake mode from the outputs' example values: this ShapeEnv (a fresh
+    # one re-ran aten.item on these fakes: "zuf0 possible memo disaster" with lifted scalars)
+    for node in graph.gm.graph.nodes:
+        if node.op == "output":
+            for arg in node.args[0]:
+                if isinstance(arg, torch.fx.Node) and "val" in arg.meta:
+                    arg.meta["example_value"] = arg.meta["val"]
     return fakes
 
 
