@@ -92,3 +92,34 @@ def test_option_off_runs_op_by_op() -> None:
     assert m["compiles"] == 0 and m["compiled_runs"] == 0
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_lifted_scalar_and_input_mutation() -> None:
+    """A varying Python number (lifted: aten.item inside the graph) and an in-place update of a
+    static input, next to symbolic sizes: one program; the update matches eager's."""
+    ln = _model()
+    w = torch.randn(16, generator=torch.Generator().manual_seed(2))
+    w0 = w.clone()
+
+    def fn(x: torch.Tensor, lr: float) -> torch.Tensor:
+        y = _block(ln, x)
+        w.add_(x.sum((0, 1)), alpha=-lr)
+        return y
+
+    xs = _inputs(LEARN + [20, 20, 33, 33, 20, 33])
+    with torch.no_grad():
+        want = [fn(x, 0.1 * (i + 1)) for i, x in enumerate(xs)]
+    w_want = w.clone()
+    w.copy_(w0)
+    with ae.adaptive_eager(compile_async=False, hot_after=2), torch.no_grad():
+        got = []
+        for i, x in enumerate(xs):
+            got.append(fn(x, 0.1 * (i + 1)))
+            ae.sync()
+        m = _keys(ae.metrics())
+    assert m["compiles"] == 1 and m["sym_programs"] == 1 and m["compile_errors"] == 0, m
+    assert m["sym_checked"] >= 2 and m["compiled_runs"] > m["sym_checked"], m
+    assert m["sym_program_fallbacks"] == 0 and m["fused_errors"] == 0, m
+    torch.testing.assert_close(w, w_want, rtol=RTOL, atol=ATOL)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
