@@ -161,7 +161,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("symbolic_dims", "ADAPTIVE_EAGER_SYMBOLIC_DIMS", _parse_bool, True,
             "Learn which dimensions vary (one trace for every sequence length) and keep what "
             "was learnt in the disk cache (off: every new size is a new trace)."),
-    Setting("symbolic_programs", "ADAPTIVE_EAGER_SYMBOLIC_PROGRAMS", _parse_bool, True,
+    Setting("symbolic_programs", "ADAPTIVE_EAGER_SYMBOLIC_PROGRAMS", _parse_bool, False,
             "Compile a hot symbolic trace once into a dynamic-size program for every size, "
             "each size's first fused run checked against op-by-op replay (off: such traces "
             "run op by op)."),
@@ -203,7 +203,7 @@ class Options:
     remote_cache_key_file: str = ""  # issue 16
     lazy_guard: bool = True  # issue 13
     symbolic_dims: bool = True  # issue 15
-    symbolic_programs: bool = True  # issue 15 stage 2
+    symbolic_programs: bool = False  # issue 15 stage 2 (GPT-2's step still specializes)
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,

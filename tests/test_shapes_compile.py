@@ -45,7 +45,7 @@ def test_one_program_serves_every_size() -> None:
     with torch.no_grad():
         want = [_block(ln, x) for x in xs]
     steps = []
-    with ae.adaptive_eager(compile_async=False, hot_after=2), torch.no_grad():
+    with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=True), torch.no_grad():
         for x in xs:
             y = _block(ln, x)
             ae.sync()
@@ -111,7 +111,7 @@ def test_lifted_scalar_and_input_mutation() -> None:
         want = [fn(x, 0.1 * (i + 1)) for i, x in enumerate(xs)]
     w_want = w.clone()
     w.copy_(w0)
-    with ae.adaptive_eager(compile_async=False, hot_after=2), torch.no_grad():
+    with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=True), torch.no_grad():
         got = []
         for i, x in enumerate(xs):
             got.append(fn(x, 0.1 * (i + 1)))

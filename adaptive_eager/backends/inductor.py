@@ -55,8 +55,10 @@ class InductorBackend:
         with torch.no_grad():  # an inference program: autograd already ran above the engine
             if getattr(graph, "dynamic", None):  # Note [symbolic programs] in graph.py
                 fakes = _fake_dynamic(graph)
+                _not_specialized(fakes, "propagating shapes")
                 program = torch._inductor.standalone_compile(
                     graph.gm, fakes, dynamic_shapes="from_graph", options=self.options, aot=True)
+                _not_specialized(fakes, "compiling")
             else:
                 program = torch._inductor.standalone_compile(
                     graph.gm, _detached(graph.example_inputs),
@@ -116,6 +118,21 @@ def _fake_dynamic(graph: Any) -> list[Any]:
                 if isinstance(arg, torch.fx.Node) and "val" in arg.meta:
                     arg.meta["example_value"] = arg.meta["val"]
     return fakes
+
+
+def _not_specialized(fakes: list[Any], stage: str) -> None:
+    """Raise when a dynamic input size was fixed to a constant (a guard such as Eq(s0, 31)):
+    the program would serve one size only and refuse the others at run time."""
+    import sympy
+
+    env = next((f.fake_mode.shape_env for f in fakes
+                if getattr(f, "fake_mode", None) is not None), None)
+    if env is None:
+        return
+    fixed = {str(k): str(v) for k, v in env.replacements.items()
+             if isinstance(v, (int, sympy.Integer))}
+    if fixed:
+        raise RuntimeError(f"a dynamic size became a constant while {stage}: {fixed}")
 
 
 def _build_key() -> bytes:
