@@ -272,7 +272,7 @@ def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 continue
             ms = r["ms_per_step"]
             lines.append(
-                f"| {mode} | {ms:.1f} | {base / ms:.2f}x | {comp / ms if comp else float('nan'):.2f}x | "
+                f"| {mode} | {ms:.1f} | {base / ms:.2f}x | {f'{comp / ms:.2f}x' if comp else '-'} | "
                 f"{r.get('hit_rate', '-')} | {r.get('flushes_per_step', '-')} | "
                 f"{r.get('compiles', '-')} | {r.get('max_loss_diff_vs_eager', '-')} |")
     gen = results.get("generate")
