@@ -321,7 +321,7 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
         # a synthetic base bakes in its storage size and offsets: only static members
         if any(len(grp) > 1 and any(i in dims for i in grp) for grp in groups):
             raise Unfusable("inputs that follow s share storage and are written")
-        _, poly_node = _symbol_node(g, ext_nodes, sources)
+        poly_node = _symbol_node(g, ext_nodes, sources)
         dynamic = tuple(dims.get(item[1], ()) for item in plan)
     baked = tuple(i for i in range(len(scalars)) if i not in varying)
     env: dict[int, fx.Node] = {}
@@ -439,11 +439,11 @@ def _step_ints(key: tuple) -> list:
     return out
 
 
-def _arg_int_sites(a: Any, top: bool, scalar: bool, spec: Any, out: list) -> None:
+def _arg_int_sites(a: Any, scalar: bool, spec: Any, out: list) -> None:
     """The int arguments of one recorded argument that a key holds as values, in key order."""
     t = type(a)
     if t is int:
-        if not top or spec.structural or not scalar:
+        if spec.structural or not scalar:
             out.append(a)
     elif t is list or t is tuple:
         for x in a:
@@ -524,9 +524,9 @@ def _symbolic_plan(trace: Trace, st: Any, reals: list[torch.Tensor]
         want = _step_ints(key)
         have: list[int] = []
         for i, a in enumerate(args):
-            _arg_int_sites(a, True, i in spec.scalar_pos, spec, have)
+            _arg_int_sites(a, i in spec.scalar_pos, spec, have)
         for k, v in kwargs.items():
-            _arg_int_sites(v, True, k in spec.scalar_kw, spec, have)
+            _arg_int_sites(v, k in spec.scalar_kw, spec, have)
         if len(want) != len(have) or any(
                 (p(s) if type(p) is Poly else p) != v for p, v in zip(want, have)):
             raise Unfusable(f"{op}: template ints and trace ints do not line up")
@@ -539,7 +539,7 @@ def _symbolic_plan(trace: Trace, st: Any, reals: list[torch.Tensor]
 
 
 def _symbol_node(g: fx.Graph, ext_nodes: list, sources: list[tuple[int, int, Any]]
-                 ) -> tuple[fx.Node, Any]:
+                 ) -> Any:
     """s from an input's size (the first one that is k*s), and a maker of nodes computing a
     polynomial of s (SymInt arithmetic: the compiler sees sizes, not constants)."""
     src = next(((e, d, p) for e, d, p in sources if p.c0 == 0 and p.c2 == 0 and p.d == 1), None)
@@ -572,7 +572,7 @@ def _symbol_node(g: fx.Graph, ext_nodes: list, sources: list[tuple[int, int, Any
             got = made[q] = v
         return got
 
-    return sym, node_of
+    return node_of
 
 
 def _mark_ints(args: tuple, kwargs: dict, spec: Any, polys: Any) -> tuple[tuple, dict]:

@@ -449,14 +449,13 @@ def _path(node: TrieNode) -> list[TrieNode]:
 class _Obs:
     """One observed trace, reduced: its nodes, and per step the fittable ints (key, out)."""
 
-    __slots__ = ("nodes", "kvals", "ovals", "skel", "root")
+    __slots__ = ("nodes", "kvals", "ovals", "skel")
 
     def __init__(self, entry: TraceEntry) -> None:
         self.nodes = _path(entry.node)
         root = entry.node
         while root.parent is not None:
             root = root.parent
-        self.root = root
         self.kvals: list[list[int]] = []
         self.ovals: list[list[int]] = []
         skel = []
@@ -475,7 +474,7 @@ class Template:
     """A fitted trace: steps from an anchor node to one entry, for every value of s."""
 
     __slots__ = ("anchor", "steps", "nodes", "entry", "verified", "dead", "where", "dims",
-                 "seen", "digest", "uses")
+                 "seen", "digest")
 
     def __init__(self, anchor: TrieNode, steps: list[tuple], wheres: list[str | None],
                  dims: str, seen: list[int]) -> None:
@@ -485,7 +484,6 @@ class Template:
         self.dead = False
         self.dims = dims
         self.seen = sorted(seen)
-        self.uses = 0
         self.where = next((w for w in wheres if w), "") or ""
         node = anchor
         self.nodes: list[TrieNode] = []
@@ -671,7 +669,6 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
             sym_tr.tpl, sym_tr.s, sym_tr.first, sym_tr.outs = tpl, s, len(tr.ops), [got]
             sym_tr.keys = [key]
             tr.node = tpl.nodes[0]
-            tpl.uses += 1
             M.sym_ops += 1
             return got
         return _MISSING
@@ -1027,12 +1024,13 @@ def configure(options: Any) -> None:
         return
     from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 
-    where = str(resolve_cache_dir(options))
+    folder = resolve_cache_dir(options)
+    where = str(folder)
     if STATE.loaded_from == where:
         return
     STATE.loaded_from = where
     try:
-        STATE.disk = DiskCache.open(resolve_cache_dir(options), options.cache_size_mb << 20)
+        STATE.disk = DiskCache.open(folder, options.cache_size_mb << 20)
         if STATE.disk is None:
             return
         for name in STATE.disk.keys():
@@ -1193,9 +1191,7 @@ def _dec(p: Any) -> Any:
         return _dtype(v)
     if tag == "dev":
         return torch.device(v)
-    if tag == "mf":
-        return getattr(torch, v.split(".", 1)[1])
-    if tag == "ly":
+    if tag == "mf" or tag == "ly":  # memory format, layout: torch.<name>
         return getattr(torch, v.split(".", 1)[1])
     if tag == "op":
         from adaptive_eager.dispatch.opspec import spec_for

@@ -26,7 +26,7 @@ from adaptive_eager.dispatch.opspec import (
 from adaptive_eager.dispatch.outvariant import run_out
 from adaptive_eager.dispatch.regions import active_engine
 from adaptive_eager.engine import (
-    GRAD_MODE, Engine, NeedRun, RunNow, is_user_error, owned_engine,
+    GRAD_MODE, Engine, NeedRun, RunNow, _flush_before_handoff, is_user_error, owned_engine,
 )
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import Unsupported
@@ -67,7 +67,7 @@ class DeferMode(TorchDispatchMode):
             # the op's view base, if any, is that argument.
             a0 = args[0] if args else None
             if type(a0) is not LazyTensor or a0._ae_real is not None or spec.view_arg:
-                if types and _foreign(types):  # Note [foreign subclasses]
+                if types and types != _ONLY_LAZY and _foreign(types):  # Note [foreign subclasses]
                     return NotImplemented
                 view_arg = spec.view_arg
                 if view_arg is not None and view_arg < len(args):
@@ -84,7 +84,7 @@ class DeferMode(TorchDispatchMode):
             except RunNow as why:
                 return eng.run_fallback(func, spec, args, kwargs, f"sync({why})")
             except Unsupported as why:
-                if types and _foreign(types):  # Note [foreign subclasses]
+                if types and types != _ONLY_LAZY and _foreign(types):  # Note [foreign subclasses]
                     return NotImplemented
                 return eng.run_fallback(func, spec, args, kwargs, f"unsupported({why})")
             except Exception as err:
@@ -92,7 +92,7 @@ class DeferMode(TorchDispatchMode):
                     raise
                 reason = eng.engine_error(err, spec)
                 return eng.run_fallback(func, spec, args, kwargs, reason)
-        if types and _foreign(types):  # Note [foreign subclasses]
+        if types and types != _ONLY_LAZY and _foreign(types):  # Note [foreign subclasses]
             return NotImplemented
         if policy == ALLOC or policy == PASSTHROUGH:
             M.ops_eager += 1
@@ -176,9 +176,11 @@ def defer(eng: Engine, func: Any, spec: Any, args: tuple, kwargs: dict,
 # metadata and its inner tensors are its own), and running the op below the subclass (detach of
 # an ``nn.Parameter(DTensor)`` gave a plain tensor) drops what the subclass does. The mode returns
 # NotImplemented for such calls, torch then runs the subclass's handler, and the ops it makes on
-# its inner tensors reach this mode again as ordinary ops, deferred as usual. Only calls with a
-# subclass argument pay the check (the deferred path only when recording it failed).
+# its inner tensors reach this mode again as ordinary ops, deferred as usual. Calls whose only
+# subclass is LazyTensor (nearly all) pay one tuple comparison; others the check (the deferred
+# path only when recording it failed).
 _FOREIGN: dict[type, bool] = {}
+_ONLY_LAZY = (LazyTensor,)  # the usual ``types``: compared before any call
 
 
 def _foreign(types: Any) -> bool:
@@ -327,7 +329,7 @@ class ReadGuardMode(TorchFunctionMode):
         super().__init__()
         self.engine = engine
         engine.guard = self
-        self.always = not getattr(engine.options, "lazy_guard", True)
+        self.always = not engine.options.lazy_guard
         self.table = _SPECIAL if self.always else _SPECIAL_LAZY
         self.thread = engine.owner
         self.present = False  # the engine's modes are on (the context's presence is active)
@@ -527,16 +529,13 @@ def _exposing_hook(orig: Any, name: str) -> Any:
 
 
 _data_get = torch._C.TensorBase.data.__get__
-_data_set = _DATA_SET
 
 
 def _set_data(self: torch.Tensor, value: Any) -> None:
     """``t.data = value`` (trap 2): pending ops of this thread run first (they may write ``t``'s
     old storage, as in eager), and a lazy value is stored as its real value, never as a wrapper."""
-    eng = owned_engine()
-    if eng is not None and eng.trace.ops and not eng.busy and not eng.flushing:
-        eng.flush("read:data_set")
-    _data_set(self, resolve_all(value))
+    _flush_before_handoff("read:data_set")
+    _DATA_SET(self, resolve_all(value))
 
 
 _hooks_installed = False

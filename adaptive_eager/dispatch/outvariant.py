@@ -39,7 +39,7 @@ from adaptive_eager.dispatch.lazy import LazyTensor, meta_of, resolve_all
 from adaptive_eager.dispatch.opspec import OpSpec, spec_for
 from adaptive_eager.engine import Engine, NeedRun, RunNow, _refresh_wrapper, is_user_error
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import Unsupported
+from adaptive_eager.trace import Unsupported, _storage
 
 _Tensor = torch.Tensor
 _DisableDispatch = torch._C._DisableTorchDispatch
@@ -172,7 +172,7 @@ def _overlaps(outs: list, args: tuple, kwargs: dict) -> bool:
 
 def _shares_storage(outs: list, args: tuple, kwargs: dict) -> bool:
     with _DisableFunction():
-        addrs = [o.untyped_storage().data_ptr() for o in outs]
+        addrs = [_storage(o).data_ptr() for o in outs]  # the C method: no read-hook frame
         if len(set(addrs)) != len(addrs):
             return True
         seen = set(addrs)
@@ -182,7 +182,7 @@ def _shares_storage(outs: list, args: tuple, kwargs: dict) -> bool:
                     x = x._ae_real
                     if x is None:
                         continue  # pending: never a view of a real tensor
-                if isinstance(x, _Tensor) and x.untyped_storage().data_ptr() in seen:
+                if isinstance(x, _Tensor) and _storage(x).data_ptr() in seen:
                     return True
     return False
 
