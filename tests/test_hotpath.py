@@ -8,6 +8,8 @@ positions hold whatever the next hit passes there (real tensors, lazy tensors wi
 
 from __future__ import annotations
 
+import ctypes
+
 from typing import Any
 
 import numpy as np
@@ -417,7 +419,9 @@ def test_memory_handed_out_after_a_pending_read_is_written_in_order() -> None:
             np.asarray(x)[1] = -i  # through __array__
             w = x - 1
             x.untyped_storage()[8] = 3  # a byte of element 2, through the storage
-            outs += [z.tolist(), w.tolist(), x.data_ptr() != 0]
+            v = x * 3
+            ctypes.c_float.from_address(x.data_ptr() + 12).value = 7.0 + i  # through data_ptr
+            outs += [z.tolist(), w.tolist(), v.tolist(), x.tolist()]
         return outs
 
     expected = run(False)
@@ -426,3 +430,4 @@ def test_memory_handed_out_after_a_pending_read_is_written_in_order() -> None:
     assert got == expected
     reasons = ae.metrics()["flush_reasons"]
     assert reasons["read:numpy"] >= 2 and reasons["read:untyped_storage"] >= 2, reasons
+    assert reasons["read:data_ptr"] >= 2, reasons
