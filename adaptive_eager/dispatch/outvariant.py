@@ -47,6 +47,12 @@ _DisableFunction = torch._C.DisableTorchFunction
 _COPY = spec_for(torch.ops.aten.copy_.default)
 
 
+def _mode() -> Any:
+    """dispatch/mode.py, which imports this module (so not at import time here)."""
+    from adaptive_eager.dispatch import mode
+    return mode
+
+
 def run_out(eng: Engine, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> Any:
     """An ``out=`` op under the engine (Note [out= ops])."""
     plan = spec.functional
@@ -62,7 +68,9 @@ def run_out(eng: Engine, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> An
     fkwargs = {k: v for k, v in kwargs.items() if k not in names}
     if _overlaps(outs, args, fkwargs):
         return eng.run_fallback(op, spec, args, kwargs, "out_overlaps_input")
-    if not eng.trace.ops and _all_host(args, fkwargs, outs):  # Note [host scalars] in mode.py
+    mode = _mode()
+    if not eng.trace.ops and mode.is_host_scalar_op((*args, *fkwargs.values(), *outs)):
+        # Note [host scalars] in mode.py: only real CPU scalars, cheaper run at once
         M.ops_eager += 1
         with _DisableDispatch(), _DisableFunction():
             return op(*args, **kwargs)
@@ -88,7 +96,7 @@ def run_out(eng: Engine, op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> An
     if not _fits(res, outs):
         return eng.run_fallback(op, spec, args, kwargs, "out_resized")
     for o, r in zip(outs, _seq(res)):
-        _copy_into(eng, o, r)
+        mode.defer(eng, _COPY.op, _COPY, (o, r), {}, None)  # a new copy's metadata: at once
     return _returned(outs)
 
 
@@ -105,22 +113,6 @@ def _fallback(eng: Engine, op: Any, spec: OpSpec, args: tuple, kwargs: dict,
             if moved:
                 _refresh_wrapper(o, spec)
     return out
-
-
-def _copy_into(eng: Engine, out: torch.Tensor, res: Any) -> None:
-    """Record ``out.copy_(res)``; a copy whose metadata is new runs at once (as mode.defer)."""
-    args = (out, res)
-    try:
-        eng.record(_COPY.op, _COPY, args, {})
-    except NeedRun as miss:
-        M.meta_misses += 1
-        eng.run_eager(_COPY.op, _COPY, args, {}, f"new_op:{_COPY.name}", miss.key)
-    except (RunNow, Unsupported) as why:
-        eng.run_fallback(_COPY.op, _COPY, args, {}, f"sync({why})")
-    except Exception as err:
-        if is_user_error(err):
-            raise
-        eng.run_fallback(_COPY.op, _COPY, args, {}, eng.engine_error(err, _COPY))
 
 
 def _run_out_now(op: Any, spec: OpSpec, args: tuple, kwargs: dict, outs: list) -> Any:
@@ -185,14 +177,3 @@ def _shares_storage(outs: list, args: tuple, kwargs: dict) -> bool:
                 if isinstance(x, _Tensor) and _storage(x).data_ptr() in seen:
                     return True
     return False
-
-
-def _all_host(args: tuple, kwargs: dict, outs: list) -> bool:
-    """Only real CPU scalars involved: running at once costs less than recording."""
-    for a in (*args, *kwargs.values(), *outs):
-        for x in (a if type(a) is list or type(a) is tuple else (a,)):
-            if type(x) is LazyTensor:
-                return False
-            if isinstance(x, _Tensor) and (x.numel() > 1 or x.device.type != "cpu"):
-                return False
-    return True
