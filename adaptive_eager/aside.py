@@ -26,6 +26,14 @@ neither have no rounds and keep the estimate alone. A probe after ``probe_every`
 starts the question over, and so does a new keep/drop decision after a verdict for the engine
 (the engine the trial timed is not the engine that runs any more).
 
+Note [probes back off]
+A probe is not free: it records and replays op by op for PROBE_FLUSHES flushes or more, and its
+new traces may compile. In ``generate()`` (a round per token) a probe every 2000 rounds cost
+about 60 tokens at 3-5x eager's time, over 10% of the time aside. So each probe that ends aside
+again doubles the rounds before the next one (up to PROBE_BACKOFF_MAX doublings); a verdict for
+the engine resets the interval to ``probe_every``. Over N rounds aside the probes then cost
+O(log N) probes instead of N / probe_every.
+
 Note [contexts are rounds]
 A program may wrap each call of a small function in ``with adaptive_eager():`` and never call a
 module or an optimizer. Entering and leaving the context is plain Python, so it is a safe point,
@@ -43,6 +51,20 @@ the trace is already hot and submitted. So at the end of a round with a compile 
 engine steps aside, runs plain eager, and comes back at the first round end after the compiles
 finished, to pick up and time the programs. Rounds, as in the trial, are optimizer steps or
 outermost module calls; a program with neither replays while it waits.
+
+Note [root ticks]
+Outermost module calls are found with global module hooks, and any global module hook sends
+every module call in the process down ``nn.Module._call_impl``'s slow path (the hook loops, a
+closure per call): about 5% of GPT-2's ``generate()`` per token at width 64, all of it paid in
+plain eager while aside, where the engine should cost nothing. So global hooks are kept only
+while the engine is on the mode stack (recording dwarfs them, and they see every new outermost
+module); whenever it is off (aside, waiting, a trial's eager rounds) the ticks come from hooks
+on the few modules that were outermost in recent rounds, the roots, and every other call takes
+the fast path. Hooks change kind only between outermost calls (the depth count must see both
+ends of a call). A root that stops being called while the engine is off (the program moved on
+to another model) ticks no more until a context, an optimizer step or that root does; the
+engine then stays off longer, which costs nothing. The hook objects copy and pickle as inert
+hooks (a copied or saved model keeps no tie to the engine).
 """
 
 from __future__ import annotations
@@ -50,6 +72,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -64,6 +87,8 @@ log = logging.getLogger("adaptive_eager")
 
 TRIAL_TICKS = 8  # rounds timed each way in a trial
 TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
+PROBE_BACKOFF_MAX = 5  # probes in vain double the interval at most this often (Note [probes back off])
+MAX_ROOTS = 4  # outermost modules remembered for ticks while the engine is off (Note [root ticks])
 
 
 def trial_verdict(ratio: float) -> str:
@@ -141,8 +166,14 @@ class Presence:
         self._depth = 0
         self._tick_hooks: list[Any] = []
         self.calls_in_context = 0  # outermost module calls in the current context
+        # Note [root ticks]: id -> weak reference of recent outermost modules
+        self._roots: dict[int, weakref.ref] = {}
+        self._tick_kind: str | None = None  # "global" or "roots" while tick hooks are on
+        self._retick = False  # change the tick hooks' kind at the next outermost call end
         self.contexts = 0  # contexts entered (Note [contexts are rounds])
         self.asides_said = 0
+        self.probing = False  # back in the engine for a probe, no verdict yet
+        self.probes_in_vain = 0  # probes that ended aside again (Note [probes back off])
 
     def activate(self) -> None:
         if not self.active:
@@ -160,6 +191,8 @@ class Presence:
             for m in reversed(self.modes):
                 m.__exit__(None, None, None)
             self.active = False
+            if self._tick_hooks:
+                self._install_tick_hooks()  # Note [root ticks]: hooks on the roots only
 
     # ---- contexts (Note [contexts are rounds]) --------------------------------------------------
     def wants_modes(self) -> bool:
@@ -196,17 +229,17 @@ class Presence:
             elif self.pending is not None:
                 self.safe_point()
         finally:
+            self._remove_tick_hooks()
             self.deactivate()
             self._remove_hooks()
-            self._remove_tick_hooks()
             if self._step_hook is not None:
                 self._step_hook.remove()
                 self._step_hook = None
 
     def close(self) -> None:
+        self._remove_tick_hooks()
         self.deactivate()
         self._remove_hooks()
-        self._remove_tick_hooks()
         if self.trial is not None:
             self.trial = None
             M.trials_running = 0
@@ -233,11 +266,23 @@ class Presence:
         self.aside = True
         self.steps_aside = 0
         M.step_asides += 1
+        if self.probing:  # Note [probes back off]
+            self.probing = False
+            self.probes_in_vain = min(self.probes_in_vain + 1, PROBE_BACKOFF_MAX)
         # said once as a warning; every later step-aside (after each probe) at INFO
         level = logging.INFO if self.asides_said else logging.WARNING
         self.asides_said += 1
         log.log(level, "adaptive_eager: stepping aside (%s); this thread runs plain eager, "
-                "probing again after %d rounds", reason, self.engine.options.probe_every)
+                "probing again after %d rounds", reason, self.probe_interval())
+
+    def probe_interval(self) -> int:
+        """Rounds aside before the next probe (Note [probes back off]); 0: never."""
+        return self.engine.options.probe_every << self.probes_in_vain
+
+    def _engine_gains(self) -> None:
+        """A verdict for the engine: probes start from ``probe_every`` again."""
+        self.probing = False
+        self.probes_in_vain = 0
 
     def _after_step(self, *args: Any) -> None:
         """After every optimizer step: end the trace there (one trace per training iteration,
@@ -266,9 +311,10 @@ class Presence:
                 log.info("adaptive_eager: compiles done; back in the engine")
         elif self.aside:
             self.steps_aside += 1
-            every = self.engine.options.probe_every
+            every = self.probe_interval()
             if every and self.steps_aside >= every:
                 self.aside = False
+                self.probing = True
                 self.verdict = None
                 self.engine.compiler.new_probe()
                 self.activate()
@@ -308,6 +354,7 @@ class Presence:
             # steps aside only on the agreed estimate, at the same flush on every rank.
             self.verdict = "engine"
             self.verdict_decisions = len(self.engine.compiler.decided)
+            self._engine_gains()
             return
         self.trial = "engine"
         self._time_anew()
@@ -350,6 +397,7 @@ class Presence:
         if trial_verdict(ratio) == "engine":
             self.verdict = "engine"
             self.verdict_decisions = len(self.engine.compiler.decided)
+            self._engine_gains()
             self.activate()
             log.info("adaptive_eager: trial: staying in the engine (%s)", detail)
         else:
@@ -358,6 +406,10 @@ class Presence:
 
     def _before_call(self, module: Any, inputs: Any) -> None:
         if threading.get_ident() == self.thread:
+            if self._retick and self._depth == 0:  # Note [root ticks]: between outermost calls
+                ref = self._roots.get(id(module))
+                if not self._put_tick_hooks() and (ref is None or ref() is not module):
+                    return  # no hook of the new kind will see this call end
             self._depth += 1
 
     def _after_call(self, module: Any, inputs: Any, output: Any) -> None:
@@ -369,18 +421,57 @@ class Presence:
         if self._depth == 0 and self.ticks_from in (None, "forward"):
             self.ticks_from = "forward"
             self.calls_in_context += 1
+            roots = self._roots
+            ref = roots.get(id(module))
+            if ref is None or ref() is not module:  # Note [root ticks]
+                roots.pop(id(module), None)
+                if len(roots) >= MAX_ROOTS:
+                    del roots[next(iter(roots))]
+                roots[id(module)] = weakref.ref(module)
             self._round_ended()
 
+    def _live_roots(self) -> list[Any]:
+        """The roots to tick on while the engine is off; none (global hooks) while it is on."""
+        if self.active:
+            return []
+        return [m for m in (r() for r in self._roots.values()) if m is not None]
+
     def _install_tick_hooks(self) -> None:
-        if not self._tick_hooks:
-            self._depth = 0
+        """Tick hooks of the kind the engine's state wants (Note [root ticks]). Installed ones
+        change kind at the start of the next outermost call (``_before_call``): never from a
+        forward hook, whose caller may be iterating the very dict (torch's exception path)."""
+        if self._tick_hooks:
+            self._retick = ("roots" if self._live_roots() else "global") != self._tick_kind
+            return
+        self._put_tick_hooks()
+
+    def _put_tick_hooks(self) -> bool:
+        """Replace the tick hooks by the wanted kind; True if they are global."""
+        roots = self._live_roots()
+        kind = "roots" if roots else "global"
+        self._remove_tick_hooks()
+        self._depth = 0
+        if kind == "roots":
+            try:
+                before, after = _RootTick(self, False), _RootTick(self, True)
+                for m in roots:
+                    self._tick_hooks.append(m.register_forward_pre_hook(before))
+                    self._tick_hooks.append(m.register_forward_hook(after, always_call=True))
+            except Exception:  # a module that takes no hooks (TorchScript): global ones
+                self._remove_tick_hooks()
+                kind = "global"
+        if kind == "global":
             self._tick_hooks = [register_module_forward_pre_hook(self._before_call),
                                 register_module_forward_hook(self._after_call, always_call=True)]
+        self._tick_kind = kind
+        return kind == "global"
 
     def _remove_tick_hooks(self) -> None:
         for h in self._tick_hooks:
             h.remove()
         self._tick_hooks = []
+        self._tick_kind = None
+        self._retick = False
 
     def _install_hooks(self) -> None:
         if not self._hooks:
@@ -392,6 +483,31 @@ class Presence:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class _RootTick:
+    """A tick hook on one root module (Note [root ticks]). It holds its presence weakly (the
+    user's module must not keep the engine alive) and copies and pickles as an inert hook."""
+
+    __slots__ = ("presence", "after")
+
+    def __init__(self, presence: Presence | None, after: bool) -> None:
+        self.presence = weakref.ref(presence) if presence is not None else None
+        self.after = after
+
+    def __call__(self, module: Any, args: Any, *output: Any) -> None:
+        presence = self.presence() if self.presence is not None else None
+        if presence is not None:
+            if self.after:
+                presence._after_call(module, args, None)
+            else:
+                presence._before_call(module, args)
+
+    def __deepcopy__(self, memo: dict) -> _RootTick:
+        return _RootTick(None, self.after)
+
+    def __reduce__(self) -> tuple:
+        return (_RootTick, (None, self.after))
 
 
 def realize_grads(optimizer: Any) -> None:
