@@ -150,6 +150,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lazy_guard", "ADAPTIVE_EAGER_LAZY_GUARD", _parse_bool, True,
             "Put the read guard (a TorchFunctionMode) on the mode stack only while a real tensor "
             "has pending writes or inside torch.func transforms (off: on every torch call)."),
+    # issue 13: the C accelerator of the hot path (Note [C accelerator] in _hot.c)
+    Setting("accel", "ADAPTIVE_EAGER_ACCEL", _parse_bool, True,
+            "Record ops on known traces with the C accelerator (adaptive_eager._hot, built by "
+            "pip install when a C compiler is present; without it this has no effect). Off: "
+            "the pure-Python path."),
     # issue 16: the opt-in remote program store (cache/remote.py reads these two)
     Setting("remote_cache", "ADAPTIVE_EAGER_REMOTE_CACHE", _parse_redis_url, "",
             "A Redis store shared by machines, redis://host:port/db (unset: none); needs "
@@ -202,6 +207,7 @@ class Options:
     remote_cache: str = ""  # issue 16
     remote_cache_key_file: str = ""  # issue 16
     lazy_guard: bool = True  # issue 13
+    accel: bool = True  # issue 13, the C accelerator
     symbolic_dims: bool = True  # issue 15
     symbolic_programs: bool = False  # issue 15 stage 2 (GPT-2's step still specializes)
 
