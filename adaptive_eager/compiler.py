@@ -706,8 +706,8 @@ class CompileManager:
             return None
         if not entry.disk_checked:
             entry.disk_checked = True
-            # symbolic programs are compiled here and kept off disk (Note [symbolic programs])
-            if entry.sym is None and self._from_disk(entry, trace, live):
+            # a symbolic trace's program is loaded too (Note [symbolic programs] in graph.py)
+            if self._from_disk(entry, trace, live):
                 return None
         # Runs counted by a backend that never compiles (another engine's replay backend) saw
         # no numbers compared: a trace hot from those alone would bake in every number.
@@ -1226,8 +1226,9 @@ class CompileManager:
             # measured it, so the keep decision and stepping aside have something to weigh it
             # against (this process may never replay the trace).
             entry.replay_s = [stats["replay_ms"] / 1e3]
-        try:
-            g = graph_mod.build(trace, live, entry.varying)
+        try:  # a template's entry: its dynamic-size graph (Note [symbolic programs])
+            g = graph_mod.build(trace, live, entry.varying,
+                                template=trace.sym if entry.sym is not None else None)
         except Exception:
             return False
         key = self._program_key(entry, g)

@@ -8,6 +8,13 @@ crosscheck uses (adaptive_eager.fused._TOL), op-by-op ones bitwise.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
 
 import adaptive_eager as ae
@@ -123,3 +130,99 @@ def test_lifted_scalar_and_input_mutation() -> None:
     torch.testing.assert_close(w, w_want, rtol=RTOL, atol=ATOL)
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
+
+
+def _loss(ln: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """GPT-2's loss shape: labels padded by one (ignore_index) and shifted, cross entropy."""
+    logits = ln(x)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return torch.nn.functional.cross_entropy(logits.view(-1, 16), shifted.view(-1),
+                                             ignore_index=-100)
+
+
+def _run_loss(ln: torch.nn.Module, data: list) -> tuple[list[torch.Tensor], dict]:
+    with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=True), \
+            torch.no_grad():
+        got = []
+        for x, lab in data:
+            got.append(_loss(ln, x, lab))
+            ae.sync()
+        m = ae.metrics()
+    return got, {**_keys(m), "disk_hits": m["disk_hits"], "sym_loaded": m["sym_loaded"]}
+
+
+def test_padded_labels_stay_dynamic_and_load_from_disk() -> None:
+    """constant_pad_nd's fake kernel reads sizes as ints (Note [specializing kernels] in
+    backends/inductor.py): the program must still be dynamic and serve every size. Then, with
+    every in-memory cache dropped (as a new process starts), the template and the program
+    come from the disk cache: nothing compiles, sizes never seen run fused."""
+    ln = _model()
+    g = torch.Generator().manual_seed(3)
+    sizes = LEARN + [12, 14, 15] + [20, 33, 20, 33, 17]  # two traces per size to learn
+    later = [26, 41, 26, 41, 19, 19]
+    data = [(torch.randn(2, T, 16, generator=g), torch.randint(0, 16, (2, T), generator=g))
+            for T in sizes + later]
+    with torch.no_grad():
+        want = [_loss(ln, x, lab) for x, lab in data]
+    got, m = _run_loss(ln, data[:len(sizes)])
+    assert m["compiles"] == 1 and m["sym_programs"] == 1 and m["compile_errors"] == 0, m
+    assert m["compiled_runs"] > m["sym_checked"] >= 2, m
+    assert m["sym_program_fallbacks"] == 0 and m["fused_errors"] == 0, m
+    ae.clear_caches()
+    ae.reset_metrics()
+    got2, m = _run_loss(ln, data[len(sizes):])
+    assert m["sym_loaded"] >= 1 and m["compiles"] == 0 and m["disk_hits"] >= 1, m
+    assert m["compiled_runs"] >= 4 and m["sym_checked"] >= 2, m
+    assert m["sym_program_fallbacks"] == 0 and m["fused_errors"] == 0, m
+    for a, e in zip(got + got2, want):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    import adaptive_eager as ae
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(16)
+
+    def block(x):
+        B, T, C = x.shape
+        return ln(x).view(B, T, 2, 8).softmax(1).sum(-1) * 2.0
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, int(t), 16, generator=g) for t in sys.argv[1:]]
+    with torch.no_grad():
+        want = [block(x) for x in xs]
+        with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=True):
+            got = []
+            for x in xs:
+                got.append(block(x))
+                ae.sync()
+            m = ae.metrics()
+    close = all(torch.allclose(a, b, rtol=%r, atol=%r) for a, b in zip(got, want))
+    print(json.dumps({k: m[k] for k in ("compiles", "sym_programs", "disk_hits", "compiled_runs",
+                                        "sym_checked", "sym_loaded", "compile_errors",
+                                        "fused_errors", "sym_program_fallbacks")}
+                     | {"close": close}))
+""" % (RTOL, ATOL))
+
+
+@pytest.mark.slow  # two processes and a compile: about 90 s on the shared machine
+def test_symbolic_program_loads_from_disk_in_a_later_process(cache_dir) -> None:
+    """A warm process finds the template and its dynamic-size program on disk: it compiles
+    nothing and runs fused at sizes the first process never saw."""
+    env = dict(os.environ, ADAPTIVE_EAGER_CACHE_DIR=str(cache_dir))
+
+    def child(*sizes: int) -> dict:
+        res = subprocess.run([sys.executable, "-c", _CHILD, *map(str, sizes)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first = child(*LEARN, 20, 33, 20)
+    assert first["compiles"] == 1 and first["sym_programs"] == 1, first
+    second = child(17, 40, 17, 40, 26, 26)
+    assert second["sym_loaded"] >= 1 and second["compiles"] == 0, second
+    assert second["disk_hits"] >= 1 and second["compiled_runs"] >= 4, second
+    assert second["sym_checked"] >= 2 and second["sym_program_fallbacks"] == 0, second
+    assert second["compile_errors"] == 0 and second["fused_errors"] == 0, second
+    assert first["close"] and second["close"], (first, second)

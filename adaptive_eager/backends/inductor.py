@@ -96,7 +96,6 @@ def _fake_dynamic(graph: Any) -> list[Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = []
@@ -109,7 +108,7 @@ def _fake_dynamic(graph: Any) -> list[Any]:
             fakes.append(mode.from_tensor(t, symbolic_context=ctx))
         else:
             fakes.append(mode.from_tensor(t, static_shapes=True))
-    FakeTensorProp(graph.gm, mode).propagate_dont_convert_inputs(*fakes)
+    _SymbolicProp(graph.gm, mode).propagate_dont_convert_inputs(*fakes)
     # from_graph takes its fake mode from the outputs' example values: this ShapeEnv (a fresh
     # one re-ran aten.item on these fakes: "zuf0 possible memo disaster" with lifted scalars)
     for node in graph.gm.graph.nodes:
@@ -120,19 +119,74 @@ def _fake_dynamic(graph: Any) -> list[Any]:
     return fakes
 
 
-def _not_specialized(fakes: list[Any], stage: str) -> None:
-    """Raise when a dynamic input size was fixed to a constant (a guard such as Eq(s0, 31)):
-    the program would serve one size only and refuse the others at run time."""
+# Note [specializing kernels]
+# Some ops' fake kernels read sizes as plain ints (the C++ composite of constant_pad_nd calls
+# ``sizes()``): propagating shapes through one fixes its input's dynamic size (GPT-2's loss pads
+# the labels: ``Eq(s0, 31)``). Their decompositions (torch._decomp's SymInt-aware refs) give
+# the same shapes symbolically, and Inductor lowers the op itself when it compiles.
+_SYM_DECOMPS = ("constant_pad_nd.default",)
+
+
+def _symbolic_prop_class() -> Any:
+    from torch._decomp import decomposition_table
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    aten = torch.ops.aten
+    decomps = {}
+    for name in _SYM_DECOMPS:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet), overload)
+        if op in decomposition_table:
+            decomps[op] = decomposition_table[op]
+
+    class SymbolicProp(FakeTensorProp):
+        """FakeTensorProp that says which op fixed a dynamic size, and propagates the ops
+        whose fake kernel would fix one through their decomposition."""
+
+        def run_node(self, n: torch.fx.Node) -> Any:
+            env = self._mode.shape_env
+            before = len(env.replacements)
+            fn = decomps.get(n.target) if n.op == "call_function" else None
+            if fn is None:
+                result = super().run_node(n)
+            else:
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                with self._mode:
+                    result = fn(*args, **kwargs)
+                n.meta["val"] = result
+            if len(env.replacements) != before:
+                _not_specialized_env(env, f"propagating shapes through {n.target}")
+            return result
+
+    return SymbolicProp
+
+
+def _SymbolicProp(gm: Any, mode: Any) -> Any:  # noqa: N802 (a class made on first use)
+    global _PROP
+    if _PROP is None:
+        _PROP = _symbolic_prop_class()
+    return _PROP(gm, mode)
+
+
+_PROP: Any = None
+
+
+def _not_specialized_env(env: Any, stage: str) -> None:
     import sympy
 
-    env = next((f.fake_mode.shape_env for f in fakes
-                if getattr(f, "fake_mode", None) is not None), None)
-    if env is None:
-        return
     fixed = {str(k): str(v) for k, v in env.replacements.items()
              if isinstance(v, (int, sympy.Integer))}
     if fixed:
         raise RuntimeError(f"a dynamic size became a constant while {stage}: {fixed}")
+
+
+def _not_specialized(fakes: list[Any], stage: str) -> None:
+    """Raise when a dynamic input size was fixed to a constant (a guard such as Eq(s0, 31)):
+    the program would serve one size only and refuse the others at run time."""
+    env = next((f.fake_mode.shape_env for f in fakes
+                if getattr(f, "fake_mode", None) is not None), None)
+    if env is not None:
+        _not_specialized_env(env, stage)
 
 
 def _build_key() -> bytes:
