@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import threading
+from types import MethodType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
+from adaptive_eager.dispatch.lazy import LazyTensor, Meta, _set_bits, resolve_all
 from adaptive_eager.dispatch.opspec import (
     ALLOC, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
@@ -29,7 +30,7 @@ from adaptive_eager.engine import (
     GRAD_MODE, Engine, NeedRun, RunNow, _flush_before_handoff, is_user_error, owned_engine,
 )
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import Unsupported
+from adaptive_eager.trace import SLOTS, Unsupported
 
 _DisableDispatch = torch._C._DisableTorchDispatch
 _T = torch.Tensor
@@ -49,6 +50,10 @@ class DeferMode(TorchDispatchMode):
     def __init__(self, engine: Engine) -> None:
         super().__init__()
         self.engine = engine
+        if _hot is not None and engine.options.accel:
+            # Note [C accelerator] in _hot.c: torch calls C, which records the common case
+            # itself and hands every other op to the method below (ADAPTIVE_EAGER_ACCEL=0: off)
+            self.__torch_dispatch__ = MethodType(_hot.dispatch, self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         try:
@@ -138,6 +143,14 @@ _DROPOUT_AT.update({spec: 1 for spec in _NOOP_DROPOUTS})
 # A copy to another device is a read of the tensor's value, as ``.to``/``.cpu``/``.cuda`` in the
 # read guard: it flushes and runs at once (the guard catches the call first while it is armed).
 _TO_COPY = spec_for(_aten._to_copy.default)
+
+try:  # the optional C accelerator (setup.py builds it where a compiler exists)
+    from adaptive_eager import _hot
+except ImportError:
+    _hot = None
+if _hot is not None:
+    _hot.init(LazyTensor, _T, torch.nn.Parameter, Meta, SLOTS, _T._make_wrapper_subclass,
+              _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER, DeferMode.__dict__["__torch_dispatch__"])
 
 
 def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:

@@ -1,0 +1,940 @@
+/* adaptive_eager._hot: the engine's per-op hot path in C (issue 13), CPython API only.
+ *
+ * Note [C accelerator]
+ * A recorded op on a known trace spends about 13k instructions in the engine's own Python
+ * (DeferMode.__torch_dispatch__ and Engine.record, Note [hot path costs] in engine.py). This
+ * module does the common case of that work in C: ``dispatch`` is installed as the mode's
+ * ``__torch_dispatch__`` (a bound method on the DeferMode instance, so torch calls C with no
+ * Python frame), and records the op itself when
+ *   - the op's OpSpec (``func._ae_spec``) has the DEFER policy, is not ``_to_copy``, has no
+ *     view base other than its first argument, and no boolean-mask index;
+ *   - the first argument is a pending lazy tensor (so none of the mode's early exits apply);
+ *   - every tensor argument (positional, in a list, or a keyword) is a pending lazy tensor of
+ *     this trace or a tensor already numbered in ``tr.ext_ids`` (plain Tensor/Parameter, or a
+ *     lazy tensor holding its value); the other arguments are numbers, lists/tuples of those,
+ *     or objects keyed as themselves (None, dtypes, devices, ...);
+ *   - the trie has a child for the key whose output is one ``Meta`` (a new lazy tensor) or an
+ *     int (an in-place op returning that argument);
+ *   - nothing else is due: the op would not arm the read guard (``_note_writes``), the trace is
+ *     below its cap, its slot has a shared marker, and no other thread is running the trace.
+ * Anything else (and any error while checking) calls the Python ``__torch_dispatch__``, which
+ * runs unchanged, so behaviour outside the fast case is the Python path's by construction.
+ * Inside it, the key, ``margs``, scalars, ``tr.last``, the trie step, the output wrapper (the
+ * same ``_make_wrapper_subclass`` call and attributes), its weak reference, the ``tr.ops``
+ * entry and the counters are exactly the Python path's (tests/test_accel.py compares traces).
+ * Every check runs before the first change to the trace: a fast-case op that fails a check has
+ * changed nothing and goes to Python whole. Errors raised while checking are counted
+ * (``stats()["faults"]``) and the Python path then runs the op as it always would.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define MAX_ARGS 32    /* positional + keyword arguments handled by the fast path */
+#define MAX_PENDING 64 /* pending lazy inputs (incl. inside lists) */
+#define MAX_SCALARS 64
+
+static PyObject *LazyT, *TensorT, *ParamT, *MetaT, *SLOTS, *make_wrapper, *set_bits, *Mobj,
+    *NO_KWARGS, *TO_COPY, *fallback, *DEFER;
+static int ready = 0;
+static PyObject *ONE;
+static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0;
+
+static PyObject *s_ae_spec, *s_policy, *s_view_arg, *s_engine, *s_trace, *s_busy, *s_foreign,
+    *s_ops, *s_ext_ids, *s_last, *s_scalars, *s_node, *s_children, *s_out, *s_n_slots, *s_refs,
+    *s_ae_trace, *s_ae_real, *s_ae_slot, *s_ae_meta, *s_wrapper_args, *s_bits, *s_structural,
+    *s_scalar_pos, *s_scalar_kw, *s_writes, *s_ext_writes, *s_cap, *s_bool_index,
+    *s_ops_intercepted, *s_ops_deferred;
+
+typedef struct {
+    PyObject *tr;          /* borrowed from the engine for the call (held by a reference) */
+    PyObject *ext_ids;
+    PyObject *spec;
+    Py_ssize_t n_slots_list;
+    int structural;
+    PyObject *scalar_pos;  /* frozenset */
+    PyObject *scalar_kw;
+    Py_ssize_t pending[MAX_PENDING];
+    int n_pending;
+    PyObject *scalars[MAX_SCALARS]; /* borrowed: they live in args/kwargs */
+    int n_scalars;
+} Ctx;
+
+/* An error while checking: not the fast case. AttributeError is an expected "no" (an object
+ * without the engine's attributes); anything else is counted as a fault. */
+static void
+note_error(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        n_fault++;
+    PyErr_Clear();
+}
+
+/* 1 true, 0 false, -1 error */
+static int
+is_pending_of(PyObject *a, PyObject *tr, int *of_tr)
+{
+    PyObject *t = PyObject_GetAttr(a, s_ae_trace);
+    if (t == NULL)
+        return -1;
+    PyObject *r = PyObject_GetAttr(a, s_ae_real);
+    if (r == NULL) {
+        Py_DECREF(t);
+        return -1;
+    }
+    *of_tr = (t == tr);
+    int pending = (r == Py_None);
+    Py_DECREF(t);
+    Py_DECREF(r);
+    return pending;
+}
+
+/* ~ext_ids[id(a)] as a new reference; NULL with no error when not registered. */
+static PyObject *
+ext_key(Ctx *c, PyObject *a)
+{
+    PyObject *id = PyLong_FromVoidPtr(a);
+    if (id == NULL)
+        return NULL;
+    PyObject *idx = PyDict_GetItemWithError(c->ext_ids, id); /* borrowed */
+    Py_DECREF(id);
+    if (idx == NULL)
+        return NULL;
+    return PyNumber_Invert(idx);
+}
+
+/* A tensor argument: the key part (new ref) and, for a pending lazy input of this trace, its
+ * slot marker (borrowed, else NULL). NULL key with no error: not the fast case. */
+static PyObject *
+tensor_ref(Ctx *c, PyObject *a, PyObject **marker)
+{
+    PyTypeObject *t = Py_TYPE(a);
+    *marker = NULL;
+    if ((PyObject *)t == LazyT) {
+        int of_tr = 0;
+        int pending = is_pending_of(a, c->tr, &of_tr);
+        if (pending < 0)
+            return NULL;
+        if (pending) {
+            if (!of_tr)
+                return NULL; /* pending in another trace: Python runs it at once (RunNow) */
+            PyObject *s = PyObject_GetAttr(a, s_ae_slot);
+            if (s == NULL)
+                return NULL;
+            Py_ssize_t si = PyLong_AsSsize_t(s);
+            if (si < 0 || si >= c->n_slots_list || c->n_pending >= MAX_PENDING) {
+                if (si == -1 && PyErr_Occurred())
+                    PyErr_Clear();
+                Py_DECREF(s);
+                return NULL;
+            }
+            c->pending[c->n_pending++] = si;
+            *marker = PyList_GET_ITEM(SLOTS, si);
+            return s;
+        }
+        return ext_key(c, a); /* a lazy tensor holding its value: numbered like a real one */
+    }
+    if ((PyObject *)t == TensorT || (PyObject *)t == ParamT)
+        return ext_key(c, a);
+    return NULL; /* a tensor subclass, or not a tensor */
+}
+
+static int
+add_scalar(Ctx *c, PyObject *a)
+{
+    if (c->n_scalars >= MAX_SCALARS)
+        return -1;
+    c->scalars[c->n_scalars++] = a;
+    return 0;
+}
+
+static PyObject *
+type_value(PyObject *a)
+{
+    return PyTuple_Pack(2, (PyObject *)Py_TYPE(a), a);
+}
+
+static int
+is_tensor(PyObject *a)
+{
+    return PyObject_TypeCheck(a, (PyTypeObject *)TensorT);
+}
+
+/* _key_seq: the key of a list/tuple argument (new ref) and the argument with Slot markers
+ * (*marked: new ref). NULL with no error: not the fast case. */
+static PyObject *
+key_seq(Ctx *c, PyObject *seq, PyObject **marked)
+{
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *key = PyTuple_New(n);
+    PyObject *mk = NULL; /* a list copy, made at the first marker */
+    if (key == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *a = items[j];
+        PyTypeObject *t = Py_TYPE(a);
+        PyObject *k;
+        if (is_tensor(a)) {
+            PyObject *marker;
+            k = tensor_ref(c, a, &marker);
+            if (k == NULL)
+                goto fail;
+            if (marker != NULL) {
+                if (mk == NULL) {
+                    mk = PyList_New(n);
+                    if (mk == NULL) {
+                        Py_DECREF(k);
+                        goto fail;
+                    }
+                    for (Py_ssize_t q = 0; q < n; q++) {
+                        Py_INCREF(items[q]);
+                        PyList_SET_ITEM(mk, q, items[q]);
+                    }
+                }
+                Py_INCREF(marker);
+                Py_SETREF(PyList_GET_ITEM(mk, j), marker);
+            }
+        }
+        else if (t == &PyFloat_Type || t == &PyComplex_Type) {
+            if (c->structural)
+                k = type_value(a);
+            else {
+                if (add_scalar(c, a) < 0)
+                    goto fail;
+                k = (PyObject *)t;
+                Py_INCREF(k);
+            }
+        }
+        else if (t == &PyLong_Type || t == &PyBool_Type)
+            k = type_value(a);
+        else {
+            k = a;
+            Py_INCREF(k);
+        }
+        if (k == NULL)
+            goto fail;
+        PyTuple_SET_ITEM(key, j, k);
+    }
+    if (mk == NULL) {
+        Py_INCREF(seq);
+        *marked = seq;
+    }
+    else if (PyTuple_CheckExact(seq)) {
+        *marked = PyList_AsTuple(mk);
+        Py_DECREF(mk);
+        if (*marked == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+    }
+    else
+        *marked = mk;
+    return key;
+fail:
+    Py_XDECREF(mk);
+    Py_DECREF(key);
+    return NULL;
+}
+
+/* Whether Engine._note_writes would arm the read guard for this op: 1 yes, 0 no, -1 error. */
+static int
+would_arm(Ctx *c, PyObject *writes, PyObject *args, PyObject *kwargs)
+{
+    PyObject *ws = PySequence_Fast(writes, "writes");
+    if (ws == NULL)
+        return -1;
+    int res = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ws) && !res; i++) {
+        PyObject *w = PySequence_Fast_GET_ITEM(ws, i);
+        PyObject *a;
+        if (PyLong_CheckExact(w)) {
+            Py_ssize_t wi = PyLong_AsSsize_t(w);
+            if (wi == -1 && PyErr_Occurred()) {
+                res = -1;
+                break;
+            }
+            a = (wi >= 0 && wi < PyTuple_GET_SIZE(args)) ? PyTuple_GET_ITEM(args, wi) : Py_None;
+        }
+        else {
+            a = PyDict_GetItemWithError(kwargs, w);
+            if (a == NULL) {
+                if (PyErr_Occurred()) {
+                    res = -1;
+                    break;
+                }
+                a = Py_None;
+            }
+        }
+        PyObject *one[1] = {a};
+        PyObject **xs = one;
+        Py_ssize_t nx = 1;
+        if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
+            xs = PySequence_Fast_ITEMS(a);
+            nx = PySequence_Fast_GET_SIZE(a);
+        }
+        for (Py_ssize_t j = 0; j < nx; j++) {
+            PyObject *x = xs[j];
+            if (!is_tensor(x))
+                continue;
+            if ((PyObject *)Py_TYPE(x) != LazyT) {
+                res = 1;
+                break;
+            }
+            int of_tr = 0;
+            int pending = is_pending_of(x, c->tr, &of_tr);
+            if (pending < 0) {
+                res = -1;
+                break;
+            }
+            if (!of_tr || !pending) {
+                res = 1;
+                break;
+            }
+        }
+    }
+    Py_DECREF(ws);
+    return res;
+}
+
+static int
+get_bool(PyObject *o, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Add one to an int attribute of the metrics object. */
+static int
+bump(PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(Mobj, name);
+    if (v == NULL)
+        return -1;
+    PyObject *v1 = PyNumber_Add(v, ONE);
+    Py_DECREF(v);
+    if (v1 == NULL)
+        return -1;
+    int r = PyObject_SetAttr(Mobj, name, v1);
+    Py_DECREF(v1);
+    return r;
+}
+
+/* The fast path. A new reference on success; NULL with no error set when the op is not the
+ * fast case (nothing was changed); NULL with an error only when a change of the trace failed
+ * midway (out of memory), which propagates as it would from Engine.record. */
+static PyObject *
+fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
+{
+    PyObject *spec = NULL, *eng = NULL, *tr = NULL, *tmp = NULL, *key = NULL, *margs = NULL;
+    PyObject *ops = NULL, *last = NULL, *node = NULL, *children = NULL, *child = NULL;
+    PyObject *out_spec = NULL, *out = NULL, *ref = NULL, *entry = NULL, *slot_obj = NULL;
+    PyObject *n_op_obj = NULL, *writes = NULL, *okw = NULL;
+    PyObject *kw_marked = NULL;
+    int busy_set = 0;
+    Ctx c;
+    c.n_pending = 0;
+    c.n_scalars = 0;
+
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) == 0)
+        return NULL;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    PyObject *a0 = PyTuple_GET_ITEM(args, 0);
+    if ((PyObject *)Py_TYPE(a0) != LazyT)
+        return NULL;
+    Py_ssize_t nkw = 0;
+    if (kwargs != Py_None) {
+        if (!PyDict_CheckExact(kwargs))
+            return NULL;
+        nkw = PyDict_GET_SIZE(kwargs);
+    }
+    if (nargs + nkw > MAX_ARGS)
+        return NULL;
+
+    spec = PyObject_GetAttr(func, s_ae_spec);
+    if (spec == NULL)
+        goto notfast;
+    if (spec == TO_COPY)
+        goto notfast_clean;
+    tmp = PyObject_GetAttr(spec, s_policy);
+    if (tmp == NULL)
+        goto notfast;
+    if (tmp != DEFER) { /* policies are small ints: the same object as opspec.DEFER */
+        Py_CLEAR(tmp);
+        goto notfast_clean;
+    }
+    Py_CLEAR(tmp);
+    tmp = PyObject_GetAttr(spec, s_view_arg); /* view of a0 (0) or not a view (None) */
+    if (tmp == NULL)
+        goto notfast;
+    {
+        int va = PyObject_IsTrue(tmp);
+        Py_CLEAR(tmp);
+        if (va != 0)
+            goto notfast_maybe_err;
+    }
+    {
+        int bi = get_bool(spec, s_bool_index);
+        if (bi != 0)
+            goto notfast_maybe_err;
+    }
+
+    eng = PyObject_GetAttr(mode, s_engine);
+    if (eng == NULL)
+        goto notfast;
+    /* Note [threads and lazy tensors] in engine.py: announce, then look (as Engine.record) */
+    if (PyObject_SetAttr(eng, s_busy, Py_True) < 0)
+        goto notfast;
+    busy_set = 1;
+    {
+        int fo = get_bool(eng, s_foreign);
+        if (fo != 0)
+            goto notfast_maybe_err; /* another thread runs this trace: Python waits on lock */
+    }
+    tr = PyObject_GetAttr(eng, s_trace);
+    if (tr == NULL)
+        goto notfast;
+    {
+        int of_tr = 0;
+        int pending = is_pending_of(a0, tr, &of_tr);
+        if (pending <= 0)
+            goto notfast_maybe_err; /* not pending: the mode's early exits may apply */
+    }
+    ops = PyObject_GetAttr(tr, s_ops);
+    if (ops == NULL)
+        goto notfast;
+    if (!PyList_CheckExact(ops))
+        goto notfast_clean;
+    Py_ssize_t n_op = PyList_GET_SIZE(ops);
+    {
+        PyObject *cap = PyObject_GetAttr(eng, s_cap);
+        if (cap == NULL)
+            goto notfast;
+        Py_ssize_t capv = PyLong_AsSsize_t(cap);
+        Py_DECREF(cap);
+        if (capv == -1 && PyErr_Occurred())
+            goto notfast;
+        if (n_op + 1 >= capv)
+            goto notfast_clean; /* the trace-cap flush: Python */
+    }
+    c.tr = tr;
+    c.spec = spec;
+    c.ext_ids = PyObject_GetAttr(tr, s_ext_ids);
+    if (c.ext_ids == NULL)
+        goto notfast;
+    Py_DECREF(c.ext_ids); /* the trace holds it */
+    if (!PyDict_CheckExact(c.ext_ids))
+        goto notfast_clean;
+    last = PyObject_GetAttr(tr, s_last);
+    if (last == NULL)
+        goto notfast;
+    if (!PyList_CheckExact(last))
+        goto notfast_clean;
+    c.n_slots_list = PyList_GET_SIZE(SLOTS);
+    c.structural = get_bool(spec, s_structural);
+    if (c.structural < 0)
+        goto notfast;
+    c.scalar_pos = PyObject_GetAttr(spec, s_scalar_pos);
+    if (c.scalar_pos == NULL)
+        goto notfast;
+    Py_DECREF(c.scalar_pos); /* the spec holds it */
+
+    /* the key and margs, as Engine.record builds them (nothing changes yet) */
+    key = PyTuple_New(1 + nargs + 2 * nkw);
+    margs = PyTuple_New(nargs);
+    if (key == NULL || margs == NULL)
+        goto notfast;
+    Py_INCREF(spec);
+    PyTuple_SET_ITEM(key, 0, spec);
+    Py_ssize_t kn = 1;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        PyTypeObject *t = Py_TYPE(a);
+        PyObject *k, *m = a;
+        Py_INCREF(m);
+        if ((PyObject *)t == LazyT || (PyObject *)t == TensorT || (PyObject *)t == ParamT) {
+            PyObject *marker;
+            k = tensor_ref(&c, a, &marker);
+            if (k == NULL) {
+                Py_DECREF(m);
+                goto notfast_maybe_err;
+            }
+            if (marker != NULL) {
+                Py_INCREF(marker);
+                Py_SETREF(m, marker);
+            }
+        }
+        else if (t == &PyFloat_Type || t == &PyComplex_Type) {
+            if (c.structural)
+                k = type_value(a);
+            else {
+                if (add_scalar(&c, a) < 0) {
+                    Py_DECREF(m);
+                    goto notfast_clean;
+                }
+                k = (PyObject *)t;
+                Py_INCREF(k);
+            }
+        }
+        else if (t == &PyLong_Type || t == &PyBool_Type) {
+            if (c.structural)
+                k = type_value(a);
+            else {
+                PyObject *pi = PyLong_FromSsize_t(i);
+                int in = pi ? PySet_Contains(c.scalar_pos, pi) : -1;
+                Py_XDECREF(pi);
+                if (in < 0) {
+                    Py_DECREF(m);
+                    goto notfast;
+                }
+                if (in) {
+                    if (add_scalar(&c, a) < 0) {
+                        Py_DECREF(m);
+                        goto notfast_clean;
+                    }
+                    k = (PyObject *)t;
+                    Py_INCREF(k);
+                }
+                else {
+                    k = a;
+                    Py_INCREF(k);
+                }
+            }
+        }
+        else if (t == &PyList_Type || t == &PyTuple_Type) {
+            PyObject *mk;
+            k = key_seq(&c, a, &mk);
+            if (k == NULL) {
+                Py_DECREF(m);
+                goto notfast_maybe_err;
+            }
+            Py_SETREF(m, mk);
+        }
+        else if (is_tensor(a)) {
+            Py_DECREF(m);
+            goto notfast_clean; /* a tensor subclass: Unsupported, or a foreign subclass */
+        }
+        else {
+            k = a;
+            Py_INCREF(k);
+        }
+        if (k == NULL) {
+            Py_DECREF(m);
+            goto notfast;
+        }
+        PyTuple_SET_ITEM(key, kn++, k);
+        PyTuple_SET_ITEM(margs, i, m);
+    }
+    if (nkw) { /* Engine._key_kwargs */
+        c.scalar_kw = PyObject_GetAttr(spec, s_scalar_kw);
+        if (c.scalar_kw == NULL)
+            goto notfast;
+        Py_DECREF(c.scalar_kw);
+        PyObject *name, *a;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &name, &a)) {
+            PyTypeObject *t = Py_TYPE(a);
+            PyObject *k = NULL;
+            Py_INCREF(name);
+            PyTuple_SET_ITEM(key, kn++, name);
+            if (is_tensor(a)) {
+                PyObject *marker;
+                k = tensor_ref(&c, a, &marker);
+                if (k == NULL)
+                    goto notfast_maybe_err;
+                if (marker != NULL) {
+                    if (kw_marked == NULL && (kw_marked = PyDict_Copy(kwargs)) == NULL) {
+                        Py_DECREF(k);
+                        goto notfast;
+                    }
+                    if (PyDict_SetItem(kw_marked, name, marker) < 0) {
+                        Py_DECREF(k);
+                        goto notfast;
+                    }
+                }
+            }
+            else if (t == &PyFloat_Type || t == &PyComplex_Type || t == &PyLong_Type ||
+                     t == &PyBool_Type) {
+                int scal;
+                if (c.structural) {
+                    k = type_value(a);
+                    scal = -2;
+                }
+                else if (t == &PyFloat_Type || t == &PyComplex_Type)
+                    scal = 1;
+                else {
+                    scal = PySet_Contains(c.scalar_kw, name);
+                    if (scal < 0)
+                        goto notfast;
+                }
+                if (scal == 1) {
+                    if (add_scalar(&c, a) < 0)
+                        goto notfast_clean;
+                    k = (PyObject *)t;
+                    Py_INCREF(k);
+                }
+                else if (scal == 0) {
+                    k = a;
+                    Py_INCREF(k);
+                }
+            }
+            else if (t == &PyList_Type || t == &PyTuple_Type) {
+                PyObject *mk;
+                k = key_seq(&c, a, &mk);
+                if (k == NULL)
+                    goto notfast_maybe_err;
+                if (mk != a) {
+                    if (kw_marked == NULL && (kw_marked = PyDict_Copy(kwargs)) == NULL) {
+                        Py_DECREF(mk);
+                        Py_DECREF(k);
+                        goto notfast;
+                    }
+                    int r = PyDict_SetItem(kw_marked, name, mk);
+                    Py_DECREF(mk);
+                    if (r < 0) {
+                        Py_DECREF(k);
+                        goto notfast;
+                    }
+                }
+                else
+                    Py_DECREF(mk);
+            }
+            else {
+                k = a;
+                Py_INCREF(k);
+            }
+            if (k == NULL)
+                goto notfast;
+            PyTuple_SET_ITEM(key, kn++, k);
+        }
+        if (kn != 1 + nargs + 2 * nkw)
+            goto notfast_clean; /* the dict changed size while we walked it */
+    }
+
+    /* the trie step */
+    node = PyObject_GetAttr(tr, s_node);
+    if (node == NULL)
+        goto notfast;
+    if (node == Py_None)
+        goto notfast_clean;
+    children = PyObject_GetAttr(node, s_children);
+    if (children == NULL)
+        goto notfast;
+    if (!PyDict_CheckExact(children))
+        goto notfast_clean;
+    child = PyDict_GetItemWithError(children, key);
+    if (child == NULL)
+        goto notfast_maybe_err; /* a miss (or a template step): Python */
+    Py_INCREF(child);
+    out_spec = PyObject_GetAttr(child, s_out);
+    if (out_spec == NULL)
+        goto notfast;
+
+    /* Would _note_writes arm the read guard? Then Python records the op. */
+    writes = PyObject_GetAttr(spec, s_writes);
+    if (writes == NULL)
+        goto notfast;
+    if (writes != Py_None) {
+        int ew = get_bool(eng, s_ext_writes);
+        if (ew < 0)
+            goto notfast;
+        if (!ew) {
+            int arm = would_arm(&c, writes, args, kwargs == Py_None ? NO_KWARGS : kwargs);
+            if (arm != 0)
+                goto notfast_maybe_err;
+        }
+    }
+
+    PyObject *slots_val; /* the tr.ops entry's output slots (borrowed from slot_obj/None) */
+    Py_ssize_t slots = -1;
+    if ((PyObject *)Py_TYPE(out_spec) == MetaT) {
+        PyObject *ns = PyObject_GetAttr(tr, s_n_slots);
+        if (ns == NULL)
+            goto notfast;
+        slots = PyLong_AsSsize_t(ns);
+        slot_obj = ns;
+        if (slots == -1 && PyErr_Occurred())
+            goto notfast;
+        if (slots >= c.n_slots_list || slots < 0)
+            goto notfast_clean; /* slot_marker grows SLOTS: Python */
+        PyObject *wa = PyObject_GetAttr(out_spec, s_wrapper_args);
+        if (wa == NULL)
+            goto notfast;
+        if (!PyTuple_CheckExact(wa) || PyTuple_GET_SIZE(wa) > 15) {
+            Py_DECREF(wa);
+            goto notfast_clean;
+        }
+        PyObject *stack[16];
+        Py_ssize_t nw = PyTuple_GET_SIZE(wa);
+        stack[0] = LazyT;
+        for (Py_ssize_t q = 0; q < nw; q++)
+            stack[q + 1] = PyTuple_GET_ITEM(wa, q);
+        out = PyObject_Vectorcall(make_wrapper, stack, nw + 1, NULL);
+        Py_DECREF(wa);
+        if (out == NULL)
+            goto notfast;
+        if (PyObject_SetAttr(out, s_ae_trace, tr) < 0 ||
+            PyObject_SetAttr(out, s_ae_slot, slot_obj) < 0 ||
+            PyObject_SetAttr(out, s_ae_meta, out_spec) < 0)
+            goto notfast;
+        int bits = get_bool(out_spec, s_bits);
+        if (bits < 0)
+            goto notfast;
+        if (bits) {
+            PyObject *r = PyObject_CallFunctionObjArgs(set_bits, out, out_spec, NULL);
+            if (r == NULL)
+                goto notfast;
+            Py_DECREF(r);
+        }
+        ref = PyWeakref_NewRef(out, NULL);
+        if (ref == NULL)
+            goto notfast;
+        slots_val = slot_obj;
+    }
+    else if (PyLong_CheckExact(out_spec)) { /* in place: the op returns that argument */
+        Py_ssize_t ai = PyLong_AsSsize_t(out_spec);
+        if (ai == -1 && PyErr_Occurred())
+            goto notfast;
+        if (ai < 0 || ai >= nargs)
+            goto notfast_clean;
+        out = PyTuple_GET_ITEM(args, ai);
+        Py_INCREF(out);
+        slots_val = Py_None;
+    }
+    else
+        goto notfast_clean; /* several outputs, or none: Python */
+
+    okw = kw_marked != NULL ? kw_marked : (nkw ? kwargs : NO_KWARGS);
+    entry = PyTuple_Pack(4, func, margs, okw, slots_val);
+    n_op_obj = PyLong_FromSsize_t(n_op);
+    PyObject *next_slots = slots >= 0 ? PyLong_FromSsize_t(slots + 1) : NULL;
+    if (entry == NULL || n_op_obj == NULL || (slots >= 0 && next_slots == NULL)) {
+        Py_XDECREF(next_slots);
+        goto notfast;
+    }
+
+    for (int q = 0; q < c.n_pending; q++)
+        if (c.pending[q] >= PyList_GET_SIZE(last)) {
+            Py_XDECREF(next_slots);
+            goto notfast_clean;
+        }
+
+    /* ---- commit: the changes Engine.record makes, in its order ---- */
+    {
+        PyObject *scal = PyObject_GetAttr(tr, s_scalars);
+        int err = scal == NULL || !PyList_CheckExact(scal);
+        for (int q = 0; q < c.n_pending && !err; q++) {
+            Py_INCREF(n_op_obj);
+            if (PyList_SetItem(last, c.pending[q], n_op_obj) < 0)
+                err = 1;
+        }
+        for (int q = 0; q < c.n_scalars && !err; q++)
+            if (PyList_Append(scal, c.scalars[q]) < 0)
+                err = 1;
+        Py_XDECREF(scal);
+        if (err || PyObject_SetAttr(tr, s_node, child) < 0) {
+            Py_XDECREF(next_slots);
+            goto failed;
+        }
+    }
+    if (slots >= 0) {
+        PyObject *refs = PyObject_GetAttr(tr, s_refs);
+        PyObject *m1 = PyLong_FromLong(-1);
+        int err = refs == NULL || m1 == NULL ||
+                  PyObject_SetAttr(tr, s_n_slots, next_slots) < 0 ||
+                  PyList_Append(refs, ref) < 0 || PyList_Append(last, m1) < 0;
+        Py_XDECREF(refs);
+        Py_XDECREF(m1);
+        Py_DECREF(next_slots);
+        if (err)
+            goto failed;
+    }
+    if (PyList_Append(ops, entry) < 0 || bump(s_ops_deferred) < 0 || bump(s_ops_intercepted) < 0)
+        goto failed;
+    busy_set = 0;
+    if (PyObject_SetAttr(eng, s_busy, Py_False) < 0)
+        goto failed;
+    n_fast++;
+    Py_DECREF(spec);
+    Py_DECREF(eng);
+    Py_DECREF(tr);
+    Py_DECREF(key);
+    Py_DECREF(margs);
+    Py_DECREF(ops);
+    Py_DECREF(last);
+    Py_DECREF(node);
+    Py_DECREF(children);
+    Py_DECREF(child);
+    Py_DECREF(out_spec);
+    Py_XDECREF(ref);
+    Py_DECREF(entry);
+    Py_XDECREF(slot_obj);
+    Py_DECREF(n_op_obj);
+    Py_DECREF(writes);
+    Py_XDECREF(kw_marked);
+    return out;
+
+failed: /* a change failed midway (out of memory): raise, as Engine.record would */
+    {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (busy_set && PyObject_SetAttr(eng, s_busy, Py_False) < 0)
+            PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+        busy_set = 0;
+    }
+    n_fault++;
+    goto cleanup;
+notfast_maybe_err:
+    if (PyErr_Occurred())
+        note_error();
+    goto notfast_clean;
+notfast:
+    if (PyErr_Occurred())
+        note_error();
+notfast_clean:
+    if (busy_set && PyObject_SetAttr(eng, s_busy, Py_False) < 0)
+        PyErr_Clear();
+cleanup:
+    Py_XDECREF(spec);
+    Py_XDECREF(eng);
+    Py_XDECREF(tr);
+    Py_XDECREF(tmp);
+    Py_XDECREF(key);
+    Py_XDECREF(margs);
+    Py_XDECREF(ops);
+    Py_XDECREF(last);
+    Py_XDECREF(node);
+    Py_XDECREF(children);
+    Py_XDECREF(child);
+    Py_XDECREF(out_spec);
+    Py_XDECREF(out);
+    Py_XDECREF(ref);
+    Py_XDECREF(entry);
+    Py_XDECREF(slot_obj);
+    Py_XDECREF(n_op_obj);
+    Py_XDECREF(writes);
+    Py_XDECREF(kw_marked);
+    return NULL;
+}
+
+/* dispatch(mode, func, types, args=(), kwargs=None): the mode's __torch_dispatch__ */
+static PyObject *
+hot_dispatch(PyObject *module, PyObject *const *av, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (ready && kwnames == NULL && (n == 4 || n == 5)) {
+        PyObject *r = fast(av[0], av[1], av[3], n == 5 ? av[4] : Py_None);
+        if (r != NULL || PyErr_Occurred())
+            return r;
+    }
+    if (fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "adaptive_eager._hot: init() was not called");
+        return NULL;
+    }
+    n_slow++;
+    return PyObject_Vectorcall(fallback, av, n, kwnames);
+}
+
+static PyObject *
+hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
+{
+    if (n != 12) {
+        PyErr_SetString(PyExc_TypeError,
+                        "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, "
+                        "set_bits, METRICS, NO_KWARGS, TO_COPY, DEFER, fallback)");
+        return NULL;
+    }
+    if (!PyType_Check(av[0]) || !PyType_Check(av[1]) || !PyType_Check(av[2]) ||
+        !PyType_Check(av[3]) || !PyList_CheckExact(av[4]) || !PyDict_CheckExact(av[8])) {
+        PyErr_SetString(PyExc_TypeError, "init: unexpected argument types");
+        return NULL;
+    }
+    PyObject **dst[12] = {&LazyT, &TensorT, &ParamT, &MetaT, &SLOTS, &make_wrapper, &set_bits,
+                          &Mobj, &NO_KWARGS, &TO_COPY, &DEFER, &fallback};
+    for (int i = 0; i < 12; i++) {
+        Py_INCREF(av[i]);
+        Py_XSETREF(*dst[i], av[i]);
+    }
+    ready = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+hot_stats(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("{snsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault);
+}
+
+static PyObject *
+hot_reset_stats(PyObject *module, PyObject *unused)
+{
+    n_fast = n_slow = n_fault = 0;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"dispatch", (PyCFunction)(void (*)(void))hot_dispatch, METH_FASTCALL | METH_KEYWORDS,
+     "dispatch(mode, func, types, args=(), kwargs=None): DeferMode.__torch_dispatch__, with the "
+     "common case of recording an op on a known trace done in C (Note [C accelerator])."},
+    {"init", (PyCFunction)(void (*)(void))hot_init, METH_FASTCALL,
+     "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, set_bits, METRICS, "
+     "NO_KWARGS, TO_COPY, DEFER, fallback): the engine's objects, once."},
+    {"stats", hot_stats, METH_NOARGS,
+     "Ops recorded in C (fast), handed to the Python path (slow), errors met while checking "
+     "(faults: the Python path then ran the op)."},
+    {"reset_stats", hot_reset_stats, METH_NOARGS, "Zero the counters of stats()."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "adaptive_eager._hot",
+    "The engine's per-op hot path in C (Note [C accelerator] in _hot.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+#define INTERN(var, text)                                                                    \
+    if ((var = PyUnicode_InternFromString(text)) == NULL)                                    \
+        return NULL;
+
+PyMODINIT_FUNC
+PyInit__hot(void)
+{
+    if ((ONE = PyLong_FromLong(1)) == NULL)
+        return NULL;
+    INTERN(s_ae_spec, "_ae_spec");
+    INTERN(s_policy, "policy");
+    INTERN(s_view_arg, "view_arg");
+    INTERN(s_engine, "engine");
+    INTERN(s_trace, "trace");
+    INTERN(s_busy, "busy");
+    INTERN(s_foreign, "foreign");
+    INTERN(s_ops, "ops");
+    INTERN(s_ext_ids, "ext_ids");
+    INTERN(s_last, "last");
+    INTERN(s_scalars, "scalars");
+    INTERN(s_node, "node");
+    INTERN(s_children, "children");
+    INTERN(s_out, "out");
+    INTERN(s_n_slots, "n_slots");
+    INTERN(s_refs, "refs");
+    INTERN(s_ae_trace, "_ae_trace");
+    INTERN(s_ae_real, "_ae_real");
+    INTERN(s_ae_slot, "_ae_slot");
+    INTERN(s_ae_meta, "_ae_meta");
+    INTERN(s_wrapper_args, "wrapper_args");
+    INTERN(s_bits, "bits");
+    INTERN(s_structural, "structural");
+    INTERN(s_scalar_pos, "scalar_pos");
+    INTERN(s_scalar_kw, "scalar_kw");
+    INTERN(s_writes, "writes");
+    INTERN(s_ext_writes, "ext_writes");
+    INTERN(s_cap, "cap");
+    INTERN(s_bool_index, "bool_index");
+    INTERN(s_ops_intercepted, "ops_intercepted");
+    INTERN(s_ops_deferred, "ops_deferred");
+    return PyModule_Create(&module_def);
+}
