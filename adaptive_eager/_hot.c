@@ -32,6 +32,7 @@
 #define MAX_ARGS 32    /* positional + keyword arguments handled by the fast path */
 #define MAX_PENDING 64 /* pending lazy inputs (incl. inside lists) */
 #define MAX_SCALARS 64
+#define MAX_OUTS 16
 
 static PyObject *LazyT, *TensorT, *ParamT, *MetaT, *SLOTS, *make_wrapper, *set_bits, *Mobj,
     *NO_KWARGS, *TO_COPY, *fallback, *DEFER;
@@ -86,6 +87,38 @@ is_pending_of(PyObject *a, PyObject *tr, int *of_tr)
     Py_DECREF(t);
     Py_DECREF(r);
     return pending;
+}
+
+/* a._ae_real is None: 1 true, 0 false, -1 error */
+static int
+is_pending(PyObject *a)
+{
+    PyObject *r = PyObject_GetAttr(a, s_ae_real);
+    if (r == NULL)
+        return -1;
+    int pending = (r == Py_None);
+    Py_DECREF(r);
+    return pending;
+}
+
+/* Whether a LazyTensor is among the arguments or inside a list/tuple argument (then
+ * mode.is_host_scalar_op is false whatever else it holds). */
+static int
+any_lazy(PyObject *args)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        if ((PyObject *)Py_TYPE(a) == LazyT)
+            return 1;
+        if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+            PyObject **xs = PySequence_Fast_ITEMS(a);
+            for (Py_ssize_t j = 0; j < n; j++)
+                if ((PyObject *)Py_TYPE(xs[j]) == LazyT)
+                    return 1;
+        }
+    }
+    return 0;
 }
 
 /* ~ext_ids[id(a)] as a new reference; NULL with no error when not registered. */
@@ -323,17 +356,59 @@ bump(PyObject *name)
     return r;
 }
 
+/* A new lazy tensor, as Engine.record (or LazyTensor.__new__) makes one. */
+static PyObject *
+make_lazy(PyObject *tr, PyObject *meta, PyObject *slot)
+{
+    PyObject *wa = PyObject_GetAttr(meta, s_wrapper_args);
+    if (wa == NULL)
+        return NULL;
+    if (!PyTuple_CheckExact(wa) || PyTuple_GET_SIZE(wa) > 15) {
+        Py_DECREF(wa);
+        PyErr_SetString(PyExc_TypeError, "Meta.wrapper_args: expected a short tuple");
+        return NULL;
+    }
+    PyObject *stack[16];
+    Py_ssize_t nw = PyTuple_GET_SIZE(wa);
+    stack[0] = LazyT;
+    for (Py_ssize_t q = 0; q < nw; q++)
+        stack[q + 1] = PyTuple_GET_ITEM(wa, q);
+    PyObject *out = PyObject_Vectorcall(make_wrapper, stack, nw + 1, NULL);
+    Py_DECREF(wa);
+    if (out == NULL)
+        return NULL;
+    if (PyObject_SetAttr(out, s_ae_trace, tr) < 0 || PyObject_SetAttr(out, s_ae_slot, slot) < 0 ||
+        PyObject_SetAttr(out, s_ae_meta, meta) < 0)
+        goto fail;
+    int bits = get_bool(meta, s_bits);
+    if (bits < 0)
+        goto fail;
+    if (bits) {
+        PyObject *r = PyObject_CallFunctionObjArgs(set_bits, out, meta, NULL);
+        if (r == NULL)
+            goto fail;
+        Py_DECREF(r);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* The fast path. A new reference on success; NULL with no error set when the op is not the
  * fast case (nothing was changed); NULL with an error only when a change of the trace failed
  * midway (out of memory), which propagates as it would from Engine.record. */
 static PyObject *
-fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
+fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *kwargs)
 {
     PyObject *spec = NULL, *eng = NULL, *tr = NULL, *tmp = NULL, *key = NULL, *margs = NULL;
     PyObject *ops = NULL, *last = NULL, *node = NULL, *children = NULL, *child = NULL;
-    PyObject *out_spec = NULL, *out = NULL, *ref = NULL, *entry = NULL, *slot_obj = NULL;
+    PyObject *out_spec = NULL, *out = NULL, *entry = NULL, *slot_obj = NULL;
     PyObject *n_op_obj = NULL, *writes = NULL, *okw = NULL;
     PyObject *kw_marked = NULL;
+    PyObject *news[MAX_OUTS], *newrefs[MAX_OUTS]; /* new lazy outputs, their weak refs */
+    int n_new = 0, n_refs = 0;
+    PyObject *slots_val = NULL; /* the tr.ops entry's output slots */
     int busy_set = 0;
     Ctx c;
     c.n_pending = 0;
@@ -343,8 +418,6 @@ fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
         return NULL;
     Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     PyObject *a0 = PyTuple_GET_ITEM(args, 0);
-    if ((PyObject *)Py_TYPE(a0) != LazyT)
-        return NULL;
     Py_ssize_t nkw = 0;
     if (kwargs != Py_None) {
         if (!PyDict_CheckExact(kwargs))
@@ -367,14 +440,46 @@ fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
         goto notfast_clean;
     }
     Py_CLEAR(tmp);
-    tmp = PyObject_GetAttr(spec, s_view_arg); /* view of a0 (0) or not a view (None) */
+    tmp = PyObject_GetAttr(spec, s_view_arg);
     if (tmp == NULL)
         goto notfast;
     {
+        /* DeferMode.__torch_dispatch__'s early exits apply unless the first argument is a
+         * pending lazy tensor and the op is no view of another argument */
         int va = PyObject_IsTrue(tmp);
+        if (va < 0)
+            goto notfast;
+        int direct = 0;
+        if ((PyObject *)Py_TYPE(a0) == LazyT && !va) {
+            int pending = is_pending(a0);
+            if (pending < 0)
+                goto notfast;
+            direct = pending;
+        }
+        if (!direct) {
+            if (!PyTuple_CheckExact(types))
+                goto notfast_clean;
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(types); j++)
+                if (PyTuple_GET_ITEM(types, j) != LazyT)
+                    goto notfast_clean; /* Note [foreign subclasses]: Python decides */
+            if (tmp != Py_None) { /* run_view unless the view's base is pending */
+                Py_ssize_t vi = PyLong_AsSsize_t(tmp);
+                if (vi == -1 && PyErr_Occurred())
+                    goto notfast;
+                if (vi >= 0 && vi < nargs) {
+                    PyObject *base = PyTuple_GET_ITEM(args, vi);
+                    if ((PyObject *)Py_TYPE(base) != LazyT)
+                        goto notfast_clean;
+                    int pending = is_pending(base);
+                    if (pending <= 0)
+                        goto notfast_maybe_err;
+                }
+            }
+            int lazy = any_lazy(args); /* else it may be a host-scalar op: Python decides */
+            if (lazy <= 0)
+                goto notfast_maybe_err;
+        }
         Py_CLEAR(tmp);
-        if (va != 0)
-            goto notfast_maybe_err;
     }
     {
         int bi = get_bool(spec, s_bool_index);
@@ -397,12 +502,6 @@ fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
     tr = PyObject_GetAttr(eng, s_trace);
     if (tr == NULL)
         goto notfast;
-    {
-        int of_tr = 0;
-        int pending = is_pending_of(a0, tr, &of_tr);
-        if (pending <= 0)
-            goto notfast_maybe_err; /* not pending: the mode's early exits may apply */
-    }
     ops = PyObject_GetAttr(tr, s_ops);
     if (ops == NULL)
         goto notfast;
@@ -648,70 +747,129 @@ fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
         }
     }
 
-    PyObject *slots_val; /* the tr.ops entry's output slots (borrowed from slot_obj/None) */
-    Py_ssize_t slots = -1;
-    if ((PyObject *)Py_TYPE(out_spec) == MetaT) {
+    /* the outputs (engine._outputs): one Meta, an int (in place), None, or a flat tuple/list
+     * of those; every new lazy tensor is made here, before the trace changes */
+    Py_ssize_t slots = -1;      /* tr.n_slots before this op */
+    {
         PyObject *ns = PyObject_GetAttr(tr, s_n_slots);
         if (ns == NULL)
             goto notfast;
-        slots = PyLong_AsSsize_t(ns);
         slot_obj = ns;
+        slots = PyLong_AsSsize_t(ns);
         if (slots == -1 && PyErr_Occurred())
             goto notfast;
-        if (slots >= c.n_slots_list || slots < 0)
-            goto notfast_clean; /* slot_marker grows SLOTS: Python */
-        PyObject *wa = PyObject_GetAttr(out_spec, s_wrapper_args);
-        if (wa == NULL)
-            goto notfast;
-        if (!PyTuple_CheckExact(wa) || PyTuple_GET_SIZE(wa) > 15) {
-            Py_DECREF(wa);
+        if (slots < 0)
             goto notfast_clean;
-        }
-        PyObject *stack[16];
-        Py_ssize_t nw = PyTuple_GET_SIZE(wa);
-        stack[0] = LazyT;
-        for (Py_ssize_t q = 0; q < nw; q++)
-            stack[q + 1] = PyTuple_GET_ITEM(wa, q);
-        out = PyObject_Vectorcall(make_wrapper, stack, nw + 1, NULL);
-        Py_DECREF(wa);
+    }
+    PyTypeObject *ot = Py_TYPE(out_spec);
+    if ((PyObject *)ot == MetaT) {
+        if (slots >= c.n_slots_list)
+            goto notfast_clean; /* slot_marker grows SLOTS: Python */
+        out = make_lazy(tr, out_spec, slot_obj);
         if (out == NULL)
             goto notfast;
-        if (PyObject_SetAttr(out, s_ae_trace, tr) < 0 ||
-            PyObject_SetAttr(out, s_ae_slot, slot_obj) < 0 ||
-            PyObject_SetAttr(out, s_ae_meta, out_spec) < 0)
-            goto notfast;
-        int bits = get_bool(out_spec, s_bits);
-        if (bits < 0)
-            goto notfast;
-        if (bits) {
-            PyObject *r = PyObject_CallFunctionObjArgs(set_bits, out, out_spec, NULL);
-            if (r == NULL)
-                goto notfast;
-            Py_DECREF(r);
-        }
-        ref = PyWeakref_NewRef(out, NULL);
-        if (ref == NULL)
-            goto notfast;
+        news[n_new++] = out;
+        Py_INCREF(out);
+        Py_INCREF(slot_obj);
         slots_val = slot_obj;
     }
-    else if (PyLong_CheckExact(out_spec)) { /* in place: the op returns that argument */
-        Py_ssize_t ai = PyLong_AsSsize_t(out_spec);
-        if (ai == -1 && PyErr_Occurred())
-            goto notfast;
-        if (ai < 0 || ai >= nargs)
-            goto notfast_clean;
-        out = PyTuple_GET_ITEM(args, ai);
+    else if (ot == &PyLong_Type || out_spec == Py_None) {
+        if (out_spec == Py_None)
+            out = Py_None;
+        else {
+            Py_ssize_t ai = PyLong_AsSsize_t(out_spec);
+            if (ai == -1 && PyErr_Occurred())
+                goto notfast;
+            if (ai < 0 || ai >= nargs)
+                goto notfast_clean;
+            out = PyTuple_GET_ITEM(args, ai); /* in place: the op returns that argument */
+        }
         Py_INCREF(out);
+        Py_INCREF(Py_None);
         slots_val = Py_None;
     }
+    else if (ot == &PyTuple_Type || ot == &PyList_Type) {
+        Py_ssize_t no = PySequence_Fast_GET_SIZE(out_spec);
+        PyObject **os = PySequence_Fast_ITEMS(out_spec);
+        if (no > MAX_OUTS)
+            goto notfast_clean;
+        Py_ssize_t k = 0;
+        for (Py_ssize_t j = 0; j < no; j++) {
+            PyObject *x = os[j];
+            if ((PyObject *)Py_TYPE(x) == MetaT)
+                k++;
+            else if (x == Py_None)
+                ;
+            else if (PyLong_CheckExact(x)) {
+                Py_ssize_t ai = PyLong_AsSsize_t(x);
+                if (ai < 0 || ai >= nargs) {
+                    if (ai == -1 && PyErr_Occurred())
+                        goto notfast;
+                    goto notfast_clean;
+                }
+            }
+            else
+                goto notfast_clean; /* nested: Python */
+        }
+        if (slots + k > c.n_slots_list)
+            goto notfast_clean;
+        PyObject *ol = PyList_New(no), *sl = PyList_New(no);
+        if (ol == NULL || sl == NULL) {
+            Py_XDECREF(ol);
+            Py_XDECREF(sl);
+            goto notfast;
+        }
+        Py_ssize_t s = slots;
+        for (Py_ssize_t j = 0; j < no; j++) {
+            PyObject *x = os[j], *w, *si;
+            if ((PyObject *)Py_TYPE(x) == MetaT) {
+                si = PyLong_FromSsize_t(s++);
+                w = si ? make_lazy(tr, x, si) : NULL;
+                if (w == NULL) {
+                    Py_XDECREF(si);
+                    Py_DECREF(ol);
+                    Py_DECREF(sl);
+                    goto notfast;
+                }
+                news[n_new++] = w;
+                Py_INCREF(w);
+            }
+            else {
+                w = x == Py_None ? Py_None : PyTuple_GET_ITEM(args, PyLong_AsSsize_t(x));
+                Py_INCREF(w);
+                si = Py_None;
+                Py_INCREF(si);
+            }
+            PyList_SET_ITEM(ol, j, w);
+            PyList_SET_ITEM(sl, j, si);
+        }
+        if (ot == &PyTuple_Type) {
+            out = PyList_AsTuple(ol);
+            slots_val = PyList_AsTuple(sl);
+            Py_DECREF(ol);
+            Py_DECREF(sl);
+            if (out == NULL || slots_val == NULL)
+                goto notfast;
+        }
+        else {
+            out = ol;
+            slots_val = sl;
+        }
+    }
     else
-        goto notfast_clean; /* several outputs, or none: Python */
+        goto notfast_clean;
+    for (int q = 0; q < n_new; q++) {
+        newrefs[q] = PyWeakref_NewRef(news[q], NULL);
+        if (newrefs[q] == NULL)
+            goto notfast;
+        n_refs++;
+    }
 
     okw = kw_marked != NULL ? kw_marked : (nkw ? kwargs : NO_KWARGS);
     entry = PyTuple_Pack(4, func, margs, okw, slots_val);
     n_op_obj = PyLong_FromSsize_t(n_op);
-    PyObject *next_slots = slots >= 0 ? PyLong_FromSsize_t(slots + 1) : NULL;
-    if (entry == NULL || n_op_obj == NULL || (slots >= 0 && next_slots == NULL)) {
+    PyObject *next_slots = n_new ? PyLong_FromSsize_t(slots + n_new) : NULL;
+    if (entry == NULL || n_op_obj == NULL || (n_new && next_slots == NULL)) {
         Py_XDECREF(next_slots);
         goto notfast;
     }
@@ -740,12 +898,13 @@ fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
             goto failed;
         }
     }
-    if (slots >= 0) {
+    if (n_new) {
         PyObject *refs = PyObject_GetAttr(tr, s_refs);
         PyObject *m1 = PyLong_FromLong(-1);
         int err = refs == NULL || m1 == NULL ||
-                  PyObject_SetAttr(tr, s_n_slots, next_slots) < 0 ||
-                  PyList_Append(refs, ref) < 0 || PyList_Append(last, m1) < 0;
+                  PyObject_SetAttr(tr, s_n_slots, next_slots) < 0;
+        for (int q = 0; q < n_new && !err; q++)
+            err = PyList_Append(refs, newrefs[q]) < 0 || PyList_Append(last, m1) < 0;
         Py_XDECREF(refs);
         Py_XDECREF(m1);
         Py_DECREF(next_slots);
@@ -769,12 +928,16 @@ fast(PyObject *mode, PyObject *func, PyObject *args, PyObject *kwargs)
     Py_DECREF(children);
     Py_DECREF(child);
     Py_DECREF(out_spec);
-    Py_XDECREF(ref);
     Py_DECREF(entry);
+    Py_DECREF(slots_val);
     Py_XDECREF(slot_obj);
     Py_DECREF(n_op_obj);
     Py_DECREF(writes);
     Py_XDECREF(kw_marked);
+    for (int q = 0; q < n_new; q++)
+        Py_DECREF(news[q]);
+    for (int q = 0; q < n_refs; q++)
+        Py_DECREF(newrefs[q]);
     return out;
 
 failed: /* a change failed midway (out of memory): raise, as Engine.record would */
@@ -812,12 +975,16 @@ cleanup:
     Py_XDECREF(child);
     Py_XDECREF(out_spec);
     Py_XDECREF(out);
-    Py_XDECREF(ref);
     Py_XDECREF(entry);
     Py_XDECREF(slot_obj);
     Py_XDECREF(n_op_obj);
     Py_XDECREF(writes);
     Py_XDECREF(kw_marked);
+    Py_XDECREF(slots_val);
+    for (int q = 0; q < n_new; q++)
+        Py_DECREF(news[q]);
+    for (int q = 0; q < n_refs; q++)
+        Py_DECREF(newrefs[q]);
     return NULL;
 }
 
@@ -827,7 +994,7 @@ hot_dispatch(PyObject *module, PyObject *const *av, Py_ssize_t nargsf, PyObject 
 {
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     if (ready && kwnames == NULL && (n == 4 || n == 5)) {
-        PyObject *r = fast(av[0], av[1], av[3], n == 5 ? av[4] : Py_None);
+        PyObject *r = fast(av[0], av[1], av[2], av[3], n == 5 ? av[4] : Py_None);
         if (r != NULL || PyErr_Occurred())
             return r;
     }
