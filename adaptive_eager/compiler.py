@@ -95,6 +95,8 @@ MEASURE_RUNS = 3  # timed fused runs before deciding
 MIN_OPS = 2  # a one-op trace has nothing to fuse
 MIN_OBSERVED = 2  # runs whose Python numbers were compared before a trace compiles
 MAX_REBAKES = 2  # recompiles of one trace because a baked-in number changed
+SYM_CHECKED_SIZES = 3  # sizes a symbolic program must agree at (per process) before it runs
+# unchecked at new sizes, as a static program does (Note [symbolic programs] in graph.py)
 PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
 PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
@@ -630,6 +632,8 @@ class CompileManager:
         sizes = self._sym_sizes.setdefault(entry.digest, {})
         ok = sizes.get(st.s)
         if ok is None:
+            if sum(sizes.values()) >= SYM_CHECKED_SIZES:  # agreed at that many sizes: trusted
+                return prog
             return _CheckedSize(self, entry, trace, prog, st.s, sizes)
         return prog if ok else None
 

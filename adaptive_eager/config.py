@@ -166,10 +166,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("symbolic_dims", "ADAPTIVE_EAGER_SYMBOLIC_DIMS", _parse_bool, True,
             "Learn which dimensions vary (one trace for every sequence length) and keep what "
             "was learnt in the disk cache (off: every new size is a new trace)."),
-    Setting("symbolic_programs", "ADAPTIVE_EAGER_SYMBOLIC_PROGRAMS", _parse_bool, False,
+    Setting("symbolic_programs", "ADAPTIVE_EAGER_SYMBOLIC_PROGRAMS", _parse_bool, True,
             "Compile a hot symbolic trace once into a dynamic-size program for every size, "
-            "each size's first fused run checked against op-by-op replay (off: such traces "
-            "run op by op)."),
+            "its first fused runs at new sizes checked against op-by-op replay (off: such "
+            "traces run op by op)."),
 )
 
 # The on/off switch for unmodified scripts (read by the torch.backends entry point).

@@ -386,11 +386,17 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
 # Unfusable, never a guess. Inputs that follow s and share storage enter as separate inputs
 # when no op writes them (the same ids as input_ids and labels), else the trace is refused (a
 # synthetic base bakes in storage sizes and offsets); static groups (tied weights) keep their
-# base. Sizes 0 and 1 never reach a template (shapes.py guards them). The graph travels to the
-# compile helper like any (its ``dynamic`` field with it); the program is not loaded from disk
-# by a later process (it compiles again). The compiler runs each size's first fused run on
-# copies next to op-by-op replay and returns replay's values (compiler._CheckedSize): a size
-# whose program raised or differed stays op by op, two such sizes quarantine the trace.
+# base. An input whose strides follow s where its sizes do not is refused, unless those dims
+# have size 1 (no address moves: generate's ``attention_mask[:, -1:]``). Sizes 0 and 1 never
+# reach a template (shapes.py guards them). The graph travels to the compile helper like any
+# (its ``dynamic`` field with it), and a later process loads the program from the disk cache
+# (the template's entry has the same digest there; its graph is built from the template at
+# that process's first s). The backend refuses a program whose dynamic size became a constant
+# (Note [specializing kernels] in backends/inductor.py). The compiler runs the first fused
+# run at each new size on copies next to op-by-op replay and returns replay's values
+# (compiler._CheckedSize) until SYM_CHECKED_SIZES sizes agreed in this process; after that a
+# new size runs the program directly, as a static program does. A size whose program raised
+# or differed stays op by op, two such sizes quarantine the trace.
 class _PolyArg:
     """An int argument that follows s, until the graph computes it."""
 
@@ -514,7 +520,10 @@ def _symbolic_plan(trace: Trace, st: Any, reals: list[torch.Tensor]
             if tuple(size) != tuple(r.shape) or tuple(stride) != r.stride():
                 raise Unfusable("an input's metadata is not its template's at this size")
             dyn = tuple(d for d, p in enumerate(pat.size) if type(p) is Poly)
-            if any(type(p) is Poly for p in pat.stride) and not dyn:
+            # a stride that follows s only where the size is 1 never moves an address (the
+            # program's input checks skip it too): generate's `attention_mask[:, -1:]`
+            if not dyn and any(type(p) is Poly and size[d] != 1
+                               for d, p in enumerate(pat.stride)):
                 raise Unfusable("an input's strides follow s but none of its sizes")
             if dyn:
                 dims[e] = dyn

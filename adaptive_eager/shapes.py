@@ -643,8 +643,34 @@ def _attach(tpl: Template) -> None:
     STATE.templates.append(tpl)
     M.sym_learned += 1
     M.sym_dims[tpl.label()] = 0
-    log.info("adaptive_eager: symbolic dims: %s (seen s = %s): one trace for every value",
-             tpl.label(), tpl.seen)
+    pruned = _prune_static(tpl)
+    log.info("adaptive_eager: symbolic dims: %s (seen s = %s): one trace for every value%s",
+             tpl.label(), tpl.seen, f" ({pruned} static paths dropped)" if pruned else "")
+
+
+def _prune_static(tpl: Template) -> int:
+    """Note [static paths below a template]
+    Templates are looked at only when a key misses the trie's concrete children, so the sizes
+    recorded before the fit (the observations it came from, generate's first lengths) kept
+    their static paths: every later run at such a size took it, became hot on its own and
+    compiled a program for that size alone (a generation compiled one per cache length).
+    The anchor's concrete children that the template's first step matches (s >= 2) are
+    dropped, so those sizes meet the template too; another trace that shared such a prefix
+    is recorded again and leaves the template as any trace does."""
+    k, ksym, _, _ = tpl.steps[0]
+    if not ksym:
+        return 0
+    anchor = tpl.anchor
+    guards = M.sym_guard_fallbacks  # probing is not a run: s in {0, 1} here counts nothing
+    drop = []
+    for key in anchor.children:
+        st = [None]
+        if _match(k, key, st) and st[0] is not None:
+            drop.append(key)
+    M.sym_guard_fallbacks = guards
+    for key in drop:
+        del anchor.children[key]
+    return len(drop)
 
 
 # ---- recording (called from engine.record on a trie miss) --------------------------------

@@ -273,3 +273,16 @@ def test_gpt2_variable_length_training_bitwise_and_hits() -> None:
     last = rec[-5:]  # lengths never seen before, each
     assert sum(r["meta_misses"] for r in last) == 0, rec
     assert sum(r["trace_hits"] for r in last) >= 4, rec
+
+
+def test_sizes_seen_before_the_fit_meet_the_template() -> None:
+    """Note [static paths below a template]: sizes recorded before the fit lose their static
+    paths, so a later run at such a size is the template's entry (one trace, one program)
+    rather than a static trace that would become hot and compile for that size alone."""
+    lin, ln = _block()
+    xs = [torch.randn(2, t, 16, generator=torch.Generator().manual_seed(t))
+          for t in LEARN + [15, 18, 21]]  # whole traces recorded before the fit
+    want = [_attention(lin, ln, x) for x in xs]
+    got, deltas = _run(lambda x: _attention(lin, ln, x), xs)
+    _same_all(got, want)
+    assert all(d["sym_hits"] == 1 and d["meta_misses"] == 0 for d in deltas[-3:]), deltas

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager.compiler import SYM_CHECKED_SIZES
 
 LEARN = [5, 7, 9, 11, 13, 6, 8, 10]  # enough sizes for a template, then hot
-NEW = [20, 33, 17, 20, 33, 17, 40, 40, 20, 33, 17]  # never seen while learning
+NEW = [20, 33, 17, 20, 33, 17, 40, 40, 20, 33, 17, 27, 45]  # never seen while learning
 RTOL, ATOL = 1.3e-4, 1e-4  # fused float32 tolerance (fused._TOL)
 
 
@@ -66,6 +67,7 @@ def test_one_program_serves_every_size() -> None:
     assert final["sym_program_fallbacks"] == 0
     seen: set[int] = set()
     unchecked = 0  # fused runs of the program itself at a size checked before
+    trusted = 0  # fused runs at a new size once SYM_CHECKED_SIZES sizes agreed
     prev = after_learn
     for i in range(len(LEARN), len(xs)):
         (y, m), T = steps[i], xs[i].shape[1]
@@ -76,12 +78,16 @@ def test_one_program_serves_every_size() -> None:
             assert m["sym_checked"] == prev["sym_checked"]
             unchecked += m["compiled_runs"] - prev["compiled_runs"]
             torch.testing.assert_close(y, want[i], rtol=RTOL, atol=ATOL)
-        else:  # first fused run at this size: checked, replay's (eager's) values returned
-            assert m["sym_checked"] == prev["sym_checked"] + 1
+        elif prev["sym_checked"] < SYM_CHECKED_SIZES:  # a new size: checked, replay's
+            assert m["sym_checked"] == prev["sym_checked"] + 1  # (eager's) values returned
             assert torch.equal(y, want[i])
+        else:  # agreed at SYM_CHECKED_SIZES sizes: a new size runs the program unchecked
+            assert m["sym_checked"] == prev["sym_checked"]  # (or a paired op-by-op run)
+            trusted += m["compiled_runs"] - prev["compiled_runs"]
+            torch.testing.assert_close(y, want[i], rtol=RTOL, atol=ATOL)
         seen.add(T)
         prev = m
-    assert unchecked >= 3
+    assert unchecked >= 3 and trusted >= 1
 
 
 def test_option_off_runs_op_by_op() -> None:
