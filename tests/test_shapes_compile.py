@@ -232,3 +232,31 @@ def test_symbolic_program_loads_from_disk_in_a_later_process(cache_dir) -> None:
     assert second["sym_checked"] >= 2 and second["sym_program_fallbacks"] == 0, second
     assert second["compile_errors"] == 0 and second["fused_errors"] == 0, second
     assert first["close"] and second["close"], (first, second)
+
+
+def test_input_whose_stride_follows_s_in_a_size_one_dim() -> None:
+    """generate's ``attention_mask[:, -1:]``: sizes [1, 1], stride (T + 1, 1). A size-1 dim's
+    stride moves no address, so the input is static and the trace still compiles once."""
+    ln = _model()
+    g = torch.Generator().manual_seed(4)
+    sizes = LEARN + [12, 14, 15] + [20, 33, 20, 33]
+    data = []
+    for T in sizes:
+        mask = torch.randn(1, T + 1, generator=g)
+        data.append((torch.randn(2, T, 16, generator=g), mask[:, -1:]))
+
+    def fn(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return _block(ln, x) * last.unsqueeze(-1)
+
+    with torch.no_grad():
+        want = [fn(x, m) for x, m in data]
+    with ae.adaptive_eager(compile_async=False, hot_after=2), torch.no_grad():
+        got = []
+        for x, m in data:
+            got.append(fn(x, m))
+            ae.sync()
+        m = _keys(ae.metrics())
+    assert m["compiles"] == 1 and m["sym_programs"] == 1 and m["compile_errors"] == 0, m
+    assert m["compiled_runs"] >= 3 and m["fused_errors"] == 0, m
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
