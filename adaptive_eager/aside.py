@@ -60,11 +60,15 @@ plain eager while aside, where the engine should cost nothing. So global hooks a
 while the engine is on the mode stack (recording dwarfs them, and they see every new outermost
 module); whenever it is off (aside, waiting, a trial's eager rounds) the ticks come from hooks
 on the few modules that were outermost in recent rounds, the roots, and every other call takes
-the fast path. Hooks change kind only between outermost calls (the depth count must see both
-ends of a call). A root that stops being called while the engine is off (the program moved on
-to another model) ticks no more until a context, an optimizer step or that root does; the
-engine then stays off longer, which costs nothing. The hook objects copy and pickle as inert
-hooks (a copied or saved model keeps no tie to the engine).
+the fast path. The global hook that waits for a safe point to step aside (``_after_forward``)
+comes off once it has acted, too; it used to stay for the rest of the context. Hooks change only
+at the start of an outermost call, in the pre-hook (the depth count must see both ends of a
+call, and a forward hook may be running inside torch's loop over the live hook dict, which
+raises if the dict changes). A root that stops being called while the engine is off (the
+program moved on to another model) ticks no more until a context, an optimizer step or that
+root does; the engine then stays off longer, which costs nothing. The hook objects copy and
+pickle as inert hooks (a copied or saved model keeps no tie to the engine; unpickling one needs
+adaptive_eager importable).
 """
 
 from __future__ import annotations
@@ -256,7 +260,9 @@ class Presence:
 
     def safe_point(self) -> None:
         """Called in plain Python on the engine's thread: act on a pending step-aside."""
-        if self.pending is not None and self.active and threading.get_ident() == self.thread:
+        # not while flushing: a module the engine's program calls is inside its handlers
+        if (self.pending is not None and self.active and not self.engine.flushing
+                and threading.get_ident() == self.thread):
             reason, self.pending = self.pending, None
             self._go_aside(reason)
 
@@ -266,6 +272,8 @@ class Presence:
         self.aside = True
         self.steps_aside = 0
         M.step_asides += 1
+        if self._hooks and self._tick_hooks:
+            self._retick = True  # the step-aside hook comes off between calls (Note [root ticks])
         if self.probing:  # Note [probes back off]
             self.probing = False
             self.probes_in_vain = min(self.probes_in_vain + 1, PROBE_BACKOFF_MAX)
@@ -299,6 +307,8 @@ class Presence:
             self.ticks_from = "step"
             self._remove_tick_hooks()  # optimizer steps are the rounds from now on
         self._round_ended()
+        if self._hooks and self.pending is None:
+            self._remove_hooks()  # acted on: aside, no module call should take the slow path
 
     def _round_ended(self) -> None:
         """At a tick, in plain Python on the engine's thread (Note [measured trial])."""
@@ -405,15 +415,18 @@ class Presence:
             self._go_aside(f"trial: {detail}")
 
     def _before_call(self, module: Any, inputs: Any) -> None:
-        if threading.get_ident() == self.thread:
+        # a module the engine's own program calls while flushing is no round of the user's
+        if threading.get_ident() == self.thread and not self.engine.flushing:
             if self._retick and self._depth == 0:  # Note [root ticks]: between outermost calls
+                if self._hooks and self.pending is None:
+                    self._remove_hooks()  # the step-aside hook has done its work
                 ref = self._roots.get(id(module))
                 if not self._put_tick_hooks() and (ref is None or ref() is not module):
                     return  # no hook of the new kind will see this call end
             self._depth += 1
 
     def _after_call(self, module: Any, inputs: Any, output: Any) -> None:
-        if threading.get_ident() != self.thread:
+        if threading.get_ident() != self.thread or self.engine.flushing:
             return
         if self._depth <= 0:  # hooks installed mid-call: this call was never counted
             return

@@ -1,8 +1,9 @@
 """Variable shapes (issue 15): a training step whose sequence length changes every step, and
 ``generate()`` with a growing KV cache.
 
-    python -m benchmarks.varlen [--workloads train,generate] [--modes eager,engine,engine_warm,engine_on,torch_compile]
-                                [--steps 200] [--tokens 64] [--out DIR] [--timeout S]
+    python -m benchmarks.varlen [--workloads train,generate]
+                                [--modes eager,engine,engine_warm,engine_on,torch_compile,engine_paired]
+                                [--steps 200] [--tokens 64] [--reps 3] [--out DIR] [--timeout S]
 
 Each (workload, mode) runs in a fresh process, one torch thread. ``engine`` starts with an empty
 cache folder (its own Inductor folder inside it); ``engine_warm`` runs again on that folder
@@ -10,7 +11,15 @@ cache folder (its own Inductor folder inside it); ``engine_warm`` runs again on 
 (``ADAPTIVE_EAGER_STEP_ASIDE=0``: no plain-eager steps while a compile is in flight or when
 eager measures faster), which shows what the engine itself hits. ``torch_compile`` compiles the step (or the model's
 forward for generation) with torch.compile's default automatic dynamic shapes, with its own
-fresh Inductor folder.
+fresh Inductor folder. ``engine_paired`` (not in the default list) times the engine against
+plain eager in one process, interleaved, so both sides see the same load: training steps each
+batch on two identical models (one plain eager, one under the engine), generation alternates a
+plain-eager ``generate()`` with one under the engine (each in its own context; the thread's
+engine, and whether it stepped aside, carries over, Note [contexts are rounds]); its ratio is
+the median over pairs of engine time / eager time.
+
+Every engine row says whether the engine stepped aside: ``aside`` counts the timed steps (or
+generations) that reached no engine at all (plain eager), e.g. ``3/3``.
 
 - ``train``: Hugging Face ``GPT2LMHeadModel`` from a config (2 layers, width 64, 2 heads, vocab
   256, no dropout), batch 8, the sequence length drawn uniformly from 16..64 per step (one fixed
@@ -20,8 +29,8 @@ fresh Inductor folder.
   ops ran inside fused programs. Losses are checked against eager's at every step.
 - ``generate``: a config-built GPT-2 (2 layers, width 64) and Llama (2 layers, hidden 64), a
   prompt of 8 tokens, 64 new tokens greedy with the KV cache, under ``torch.no_grad()`` and
-  ``torch.inference_mode()``; ms per new token (median of 3 generations after one warm-up) and
-  the engine's hit rate; generated tokens are checked against eager's.
+  ``torch.inference_mode()``; ms per new token (median of ``--reps`` generations after one
+  warm-up) and the engine's hit rate; generated tokens are checked against eager's.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -109,24 +119,36 @@ def _engine_summary(start: dict[str, Any], mid: dict[str, Any], end: dict[str, A
 
 
 def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if s else float("nan")
+    return statistics.median(xs) if xs else float("nan")
 
 
-def run_train(mode: str, steps: int) -> dict[str, Any]:
+def _ops() -> int:
+    """Ops the engine intercepted so far (0 without it): a timed run that adds none ran aside."""
+    try:
+        import adaptive_eager
+    except ImportError:
+        return 0
+    return adaptive_eager.metrics()["ops_intercepted"]
+
+
+def _batches(steps: int) -> list[Any]:
     import random
 
     import torch
 
-    model = _gpt2()
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     rng = random.Random(1234)
     gen = torch.Generator().manual_seed(1234)
     batches = []
     for _ in range(steps):
         t = rng.randint(16, 64)
         batches.append(torch.randint(0, 256, (8, t), generator=gen))
+    return batches
+
+
+def _train_step(model: Any) -> Any:
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -135,34 +157,107 @@ def run_train(mode: str, steps: int) -> dict[str, Any]:
         opt.step()
         return loss.detach()
 
+    return step
+
+
+def _aside_count(ops: list[int]) -> str:
+    """``k/n``: of n timed runs, k reached no engine (ran plain eager, the engine aside)."""
+    return f"{sum(1 for n in ops if n == 0)}/{len(ops)}"
+
+
+def run_train(mode: str, steps: int) -> dict[str, Any]:
+    if mode == "engine_paired":
+        return _run_train_paired(steps)
+    import torch
+
+    model = _gpt2()
+    model.train()
+    step = _train_step(model)
+    batches = _batches(steps)
     fn = torch.compile(step) if mode == "torch_compile" else step
+    engine = mode.startswith("engine")
     times: list[float] = []
     losses: list[float] = []
-    start = _snapshot() if mode.startswith("engine") else {}
+    ops: list[int] = []
+    start = _snapshot() if engine else {}
     mid: dict[str, Any] = {}
     t_run = time.perf_counter()
     with _engine_context(mode):
         for i, ids in enumerate(batches):
-            if i == _STEPS_SKIP and mode.startswith("engine"):
+            if i == _STEPS_SKIP and engine:
                 mid = _snapshot()
+            n0 = _ops() if engine else 0
             t0 = time.perf_counter()
             loss = fn(ids)
             losses.append(loss.item())  # the sync point: a real training loop logs its loss
             times.append(time.perf_counter() - t0)
+            if engine and i >= _STEPS_SKIP:
+                ops.append(_ops() - n0)
     total = time.perf_counter() - t_run
-    end = _snapshot() if mode.startswith("engine") else {}
+    end = _snapshot() if engine else {}
     out: dict[str, Any] = {"ms_per_step": round(1e3 * _median(times[_STEPS_SKIP:]), 3),
                            "mean_ms_per_step": round(1e3 * sum(times[_STEPS_SKIP:])
                                                      / max(1, len(times) - _STEPS_SKIP), 3),
                            "first_steps_s": round(sum(times[:_STEPS_SKIP]), 2),
                            "total_s": round(total, 2), "losses": losses}
+    if engine:
+        out["aside"] = _aside_count(ops)
     out.update(_engine_summary(start, mid, end, steps - _STEPS_SKIP))
     return out
 
 
-def run_generate(mode: str, tokens: int) -> dict[str, Any]:
+def _run_train_paired(steps: int) -> dict[str, Any]:
+    """Each batch stepped on two identical models, one in plain eager and one under the engine,
+    one after the other (Note [paired timing]): both see the same load and the same length."""
+    import adaptive_eager
+
+    eager_model, engine_model = _gpt2(), _gpt2()  # the same seeded initial weights
+    eager_model.train()
+    engine_model.train()
+    eager_step, engine_step = _train_step(eager_model), _train_step(engine_model)
+    eager_t: list[float] = []
+    engine_t: list[float] = []
+    losses: list[float] = []
+    ops: list[int] = []
+    start = _snapshot()
+    mid: dict[str, Any] = {}
+    for i, ids in enumerate(_batches(steps)):
+        if i == _STEPS_SKIP:
+            mid = _snapshot()
+        t0 = time.perf_counter()
+        eager_step(ids).item()
+        eager_t.append(time.perf_counter() - t0)
+        n0 = _ops()
+        t0 = time.perf_counter()
+        with adaptive_eager.adaptive_eager():
+            loss = engine_step(ids)
+            losses.append(loss.item())
+        engine_t.append(time.perf_counter() - t0)
+        if i >= _STEPS_SKIP:
+            ops.append(_ops() - n0)
+    end = _snapshot()
+    e, g = engine_t[_STEPS_SKIP:], eager_t[_STEPS_SKIP:]
+    out: dict[str, Any] = {"ms_per_step": round(1e3 * _median(e), 3),
+                           "eager_ms_per_step": round(1e3 * _median(g), 3),
+                           "paired_ratio": round(_median([a / b for a, b in zip(e, g)]), 3),
+                           "first_steps_s": round(sum(engine_t[:_STEPS_SKIP]), 2),
+                           "losses": losses, "aside": _aside_count(ops)}
+    out.update(_engine_summary(start, mid, end, steps - _STEPS_SKIP))
+    return out
+
+
+def _generate(model: Any, prompt: Any, tokens: int) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    seq = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens,
+                         do_sample=False, use_cache=True, pad_token_id=0)
+    ids = seq[0].tolist()
+    return time.perf_counter() - t0, ids
+
+
+def run_generate(mode: str, tokens: int, reps: int = 3) -> dict[str, Any]:
     import torch
 
+    engine = mode.startswith("engine")
     out: dict[str, Any] = {}
     for arch, build in (("gpt2", _gpt2), ("llama", _llama)):
         model = build()
@@ -171,29 +266,71 @@ def run_generate(mode: str, tokens: int) -> dict[str, Any]:
         prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(7))
         for grad_ctx_name, grad_ctx in (("no_grad", torch.no_grad),
                                         ("inference_mode", torch.inference_mode)):
-            start = _snapshot() if mode.startswith("engine") else {}
+            if mode == "engine_paired":
+                out[f"{arch}/{grad_ctx_name}"] = _generate_paired(model, prompt, tokens, reps,
+                                                                  grad_ctx)
+                continue
+            start = _snapshot() if engine else {}
             per_token: list[float] = []
             seqs: list[list[int]] = []
+            ops: list[int] = []
             mid: dict[str, Any] = {}
             with _engine_context(mode), grad_ctx():
-                for rep in range(4):
-                    if rep == 1 and mode.startswith("engine"):
+                for rep in range(reps + 1):  # the first is the warm-up
+                    if rep == 1 and engine:
                         mid = _snapshot()
-                    t0 = time.perf_counter()
-                    seq = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens,
-                                         do_sample=False, use_cache=True, pad_token_id=0)
-                    ids = seq[0].tolist()
-                    dt = time.perf_counter() - t0
+                    n0 = _ops() if engine else 0
+                    dt, ids = _generate(model, prompt, tokens)
                     if rep:
                         per_token.append(dt / tokens)
+                        if engine:
+                            ops.append(_ops() - n0)
                     seqs.append(ids)
-            end = _snapshot() if mode.startswith("engine") else {}
+            end = _snapshot() if engine else {}
             row: dict[str, Any] = {"ms_per_token": round(1e3 * _median(per_token), 3),
                                    "tokens": seqs[-1],
                                    "same_each_time": all(s == seqs[0] for s in seqs)}
-            row.update(_engine_summary(start, mid, end, 3 * tokens))
+            if engine:
+                row["aside"] = _aside_count(ops)
+            row.update(_engine_summary(start, mid, end, reps * tokens))
             out[f"{arch}/{grad_ctx_name}"] = row
     return out
+
+
+def _generate_paired(model: Any, prompt: Any, tokens: int, reps: int, grad_ctx: Any
+                     ) -> dict[str, Any]:
+    """Plain-eager and engine ``generate()`` alternating in one process (the engine's in a
+    context each; the thread's engine carries over between them)."""
+    import adaptive_eager
+
+    eager_t: list[float] = []
+    engine_t: list[float] = []
+    seqs: list[list[int]] = []
+    ops: list[int] = []
+    start = _snapshot()
+    mid: dict[str, Any] = {}
+    with grad_ctx():
+        for rep in range(reps + 1):  # the first pair is the warm-up
+            if rep == 1:
+                mid = _snapshot()
+            g, ids = _generate(model, prompt, tokens)
+            n0 = _ops()
+            with adaptive_eager.adaptive_eager():
+                e, got = _generate(model, prompt, tokens)
+            seqs.append(got)
+            if rep:
+                eager_t.append(g / tokens)
+                engine_t.append(e / tokens)
+                ops.append(_ops() - n0)
+    end = _snapshot()
+    row: dict[str, Any] = {
+        "ms_per_token": round(1e3 * _median(engine_t), 3),
+        "eager_ms_per_token": round(1e3 * _median(eager_t), 3),
+        "paired_ratio": round(_median([a / b for a, b in zip(engine_t, eager_t)]), 3),
+        "tokens": seqs[-1], "same_each_time": all(s == seqs[0] for s in seqs),
+        "aside": _aside_count(ops)}
+    row.update(_engine_summary(start, mid, end, reps * tokens))
+    return row
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -203,7 +340,7 @@ def _child(args: argparse.Namespace) -> None:
     if args.workload == "train":
         result = run_train(args.mode, args.steps)
     else:
-        result = run_generate(args.mode, args.tokens)
+        result = run_generate(args.mode, args.tokens, args.reps)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -218,7 +355,8 @@ def _run_case(workload: str, mode: str, args: argparse.Namespace, cache: Path) -
     if mode == "torch_compile":
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / f"inductor-{workload}")
     cmd = [sys.executable, "-m", "benchmarks.varlen", "--child", "--workload", workload,
-           "--mode", mode, "--steps", str(args.steps), "--tokens", str(args.tokens)]
+           "--mode", mode, "--steps", str(args.steps), "--tokens", str(args.tokens),
+           "--reps", str(args.reps)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -258,37 +396,55 @@ def _check_generate(rows: dict[str, dict[str, Any]]) -> None:
                 r.pop("tokens", None)
 
 
+def _speed(base: float | None, ms: float) -> str:
+    return f"{base / ms:.2f}x" if base and ms else "-"
+
+
+def _time_ratio(r: dict[str, Any], base: float | None, ms: float) -> str:
+    """Engine time / eager time (the issues' targets: at most 1.10), paired where measured so."""
+    if "paired_ratio" in r:
+        return f"{r['paired_ratio']:.2f} (paired)"
+    return f"{ms / base:.2f}" if base and ms else "-"
+
+
 def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines: list[str] = []
     train = results.get("train")
     if train:
         base = train.get("eager", {}).get("ms_per_step")
         comp = train.get("torch_compile", {}).get("ms_per_step")
-        lines += ["| train (GPT-2, seq 16-64) | ms/step | vs eager | vs torch.compile | hit rate | "
-                  "flushes/step | compiles | max loss diff |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| train (GPT-2, seq 16-64) | ms/step | speed vs eager | time / eager | "
+                  "vs torch.compile | aside (timed steps plain eager) | hit rate | flushes/step | "
+                  "compiles | max loss diff |", "|---|---|---|---|---|---|---|---|---|---|"]
         for mode, r in train.items():
             if "error" in r:
-                lines.append(f"| {mode} | error: {r['error'][:80]} | | | | | | |")
+                lines.append(f"| {mode} | error: {r['error'][:80]} | | | | | | | | |")
                 continue
             ms = r["ms_per_step"]
+            b = r.get("eager_ms_per_step", base)
             lines.append(
-                f"| {mode} | {ms:.1f} | {base / ms:.2f}x | {f'{comp / ms:.2f}x' if comp else '-'} | "
+                f"| {mode} | {ms:.1f} | {_speed(b, ms)} | {_time_ratio(r, b, ms)} | "
+                f"{_speed(comp, ms) if comp else '-'} | {r.get('aside', '-')} | "
                 f"{r.get('hit_rate', '-')} | {r.get('flushes_per_step', '-')} | "
                 f"{r.get('compiles', '-')} | {r.get('max_loss_diff_vs_eager', '-')} |")
     gen = results.get("generate")
     if gen:
-        lines += ["", "| generate | mode | ms/token | vs eager | hit rate | compiles | "
-                  "tokens equal eager |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| generate | mode | ms/token | speed vs eager | time / eager | "
+                  "aside (timed runs plain eager) | hit rate | compiles | tokens equal eager |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         cases = sorted({c for r in gen.values() for c in r if isinstance(r.get(c), dict)})
         for case in cases:
             base = gen.get("eager", {}).get(case, {}).get("ms_per_token")
             for mode, row in gen.items():
                 r = row.get(case)
                 if not isinstance(r, dict):
-                    lines.append(f"| {case} | {mode} | error: {str(row.get('error'))[:80]} | | | | |")
+                    lines.append(f"| {case} | {mode} | error: {str(row.get('error'))[:80]} "
+                                 "| | | | | | |")
                     continue
                 ms = r["ms_per_token"]
-                lines.append(f"| {case} | {mode} | {ms:.2f} | {base / ms if base else float('nan'):.2f}x | "
+                b = r.get("eager_ms_per_token", base)
+                lines.append(f"| {case} | {mode} | {ms:.2f} | {_speed(b, ms)} | "
+                             f"{_time_ratio(r, b, ms)} | {r.get('aside', '-')} | "
                              f"{r.get('hit_rate', '-')} | {r.get('compiles', '-')} | "
                              f"{r.get('tokens_equal_eager', '-')} |")
     return "\n".join(lines)
@@ -300,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="eager,engine,engine_warm,engine_on,torch_compile")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3, help="timed generations per case")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="folder for results.json and table.md")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
