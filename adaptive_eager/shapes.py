@@ -474,12 +474,17 @@ class Template:
     """A fitted trace: steps from an anchor node to one entry, for every value of s."""
 
     __slots__ = ("anchor", "steps", "nodes", "entry", "verified", "dead", "where", "dims",
-                 "seen", "digest")
+                 "seen", "digest", "first", "memo")
 
     def __init__(self, anchor: TrieNode, steps: list[tuple], wheres: list[str | None],
                  dims: str, seen: list[int]) -> None:
         self.anchor = anchor
         self.steps = steps  # (key, sym?, out, sym out?) per op after the anchor
+        # Note [template memo]: matching a key against a step's pattern walks it in Python
+        # (GPT-2's step: 7 ms of 272 matches); the concrete keys of one s recur every run at
+        # that s, so a key seen at step i for s gives its output metadata by one tuple compare
+        self.first: dict[tuple, tuple[int, Any]] = {}  # first-step key -> (s, outputs)
+        self.memo: dict[int, dict[int, tuple[tuple, Any]]] = {}  # s -> step -> (key, outputs)
         self.verified: set[int] = set()
         self.dead = False
         self.dims = dims
@@ -682,15 +687,21 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
         for tpl in sym:
             if tpl.dead:
                 continue
-            st = [None]
-            k, ksym, out, osym = tpl.steps[0]
-            if not (_match(k, key, st) if ksym else k == key) or st[0] is None:
-                continue
-            s = st[0]
-            got = _eval(out, s) if osym else out
-            if got is _MISSING:
-                M.sym_guard_fallbacks += 1
-                continue
+            hit = tpl.first.get(key)
+            if hit is not None:
+                s, got = hit
+            else:
+                st = [None]
+                k, ksym, out, osym = tpl.steps[0]
+                if not (_match(k, key, st) if ksym else k == key) or st[0] is None:
+                    continue
+                s = st[0]
+                got = _eval(out, s) if osym else out
+                if got is _MISSING:
+                    M.sym_guard_fallbacks += 1
+                    continue
+                if len(tpl.first) < _MEMO_MAX:
+                    tpl.first[key] = (s, got)
             sym_tr = _sym_of(tr)
             sym_tr.tpl, sym_tr.s, sym_tr.first, sym_tr.outs = tpl, s, len(tr.ops), [got]
             sym_tr.keys = [key]
@@ -734,15 +745,29 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
 
 def _step_of(tpl: Template, i: int, key: tuple, s: int) -> Any:
     """Step i of a template for this key at this s: its output metadata, or _MISSING."""
+    memo = tpl.memo.get(s)
+    if memo is not None:
+        hit = memo.get(i)
+        if hit is not None and hit[0] == key:  # Note [template memo]
+            return hit[1]
     k, ksym, out, osym = tpl.steps[i]
     if not (_match(k, key, [s]) if ksym else k == key):
         return _MISSING
     if not osym:
-        return out
-    got = _eval(out, s)
-    if got is _MISSING:
-        M.sym_guard_fallbacks += 1
+        got = out
+    else:
+        got = _eval(out, s)
+        if got is _MISSING:
+            M.sym_guard_fallbacks += 1
+            return got
+    if memo is None and len(tpl.memo) < _MEMO_MAX:
+        memo = tpl.memo[s] = {}
+    if memo is not None:
+        memo[i] = (key, got)
     return got
+
+
+_MEMO_MAX = 256  # values of s (first-step keys) a template remembers matches for
 
 
 def _others(tpl: Template, i: int) -> list[Template]:
