@@ -28,6 +28,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #define MAX_ARGS 32    /* positional + keyword arguments handled by the fast path */
 #define MAX_PENDING 64 /* pending lazy inputs (incl. inside lists) */
@@ -37,6 +38,57 @@
 static PyObject *LazyT, *TensorT, *ParamT, *MetaT, *SLOTS, *make_wrapper, *set_bits, *Mobj,
     *NO_KWARGS, *TO_COPY, *fallback, *DEFER;
 static int ready = 0;
+/* Attributes of the engine's __slots__ classes (Trace, TrieNode, OpSpec, Meta, Metrics) are read
+ * and written at their member offsets when the object's type is exactly the class seen at init
+ * (what the member descriptor itself does); anything else takes the generic attribute path. */
+typedef struct {
+    PyTypeObject *t;
+    Py_ssize_t off; /* -1: not a plain object member */
+} Fast;
+#define SLOTPTR(o, f) ((PyObject **)((char *)(o) + (f)->off))
+#define GET(o, nm) fget((o), s_##nm, &f_##nm)
+#define SET(o, nm, v) fset((o), s_##nm, &f_##nm, (v))
+
+static Fast f_ops, f_ext_ids, f_last, f_scalars, f_node, f_n_slots, f_refs, f_children, f_out, f_policy, f_view_arg, f_bool_index, f_structural, f_scalar_pos, f_scalar_kw, f_writes, f_wrapper_args, f_bits, f_ops_intercepted, f_ops_deferred;
+
+static inline PyObject *
+fget(PyObject *o, PyObject *name, Fast *f)
+{
+    if (f != NULL && Py_TYPE(o) == f->t && f->off >= 0) {
+        PyObject *v = *SLOTPTR(o, f);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(o, name);
+}
+
+static inline int
+fset(PyObject *o, PyObject *name, Fast *f, PyObject *v)
+{
+    if (f != NULL && Py_TYPE(o) == f->t && f->off >= 0) {
+        Py_INCREF(v);
+        Py_XSETREF(*SLOTPTR(o, f), v);
+        return 0;
+    }
+    return PyObject_SetAttr(o, name, v);
+}
+
+/* The member offset of ``name`` in ``type`` (a __slots__ entry), or -1. */
+static void
+fast_init(Fast *f, PyObject *type, const char *name)
+{
+    f->t = (PyTypeObject *)type;
+    f->off = -1;
+    PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, name); /* borrowed */
+    if (d != NULL && Py_TYPE(d) == &PyMemberDescr_Type) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY))
+            f->off = m->offset;
+    }
+}
+
 static PyObject *ONE;
 static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0;
 
@@ -330,9 +382,9 @@ would_arm(Ctx *c, PyObject *writes, PyObject *args, PyObject *kwargs)
 }
 
 static int
-get_bool(PyObject *o, PyObject *name)
+get_bool(PyObject *o, PyObject *name, Fast *f)
 {
-    PyObject *v = PyObject_GetAttr(o, name);
+    PyObject *v = fget(o, name, f);
     if (v == NULL)
         return -1;
     int r = PyObject_IsTrue(v);
@@ -342,16 +394,16 @@ get_bool(PyObject *o, PyObject *name)
 
 /* Add one to an int attribute of the metrics object. */
 static int
-bump(PyObject *name)
+bump(PyObject *name, Fast *f)
 {
-    PyObject *v = PyObject_GetAttr(Mobj, name);
+    PyObject *v = fget(Mobj, name, f);
     if (v == NULL)
         return -1;
     PyObject *v1 = PyNumber_Add(v, ONE);
     Py_DECREF(v);
     if (v1 == NULL)
         return -1;
-    int r = PyObject_SetAttr(Mobj, name, v1);
+    int r = fset(Mobj, name, f, v1);
     Py_DECREF(v1);
     return r;
 }
@@ -360,7 +412,7 @@ bump(PyObject *name)
 static PyObject *
 make_lazy(PyObject *tr, PyObject *meta, PyObject *slot)
 {
-    PyObject *wa = PyObject_GetAttr(meta, s_wrapper_args);
+    PyObject *wa = GET(meta, wrapper_args);
     if (wa == NULL)
         return NULL;
     if (!PyTuple_CheckExact(wa) || PyTuple_GET_SIZE(wa) > 15) {
@@ -380,7 +432,7 @@ make_lazy(PyObject *tr, PyObject *meta, PyObject *slot)
     if (PyObject_SetAttr(out, s_ae_trace, tr) < 0 || PyObject_SetAttr(out, s_ae_slot, slot) < 0 ||
         PyObject_SetAttr(out, s_ae_meta, meta) < 0)
         goto fail;
-    int bits = get_bool(meta, s_bits);
+    int bits = get_bool(meta, s_bits, &f_bits);
     if (bits < 0)
         goto fail;
     if (bits) {
@@ -432,7 +484,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         goto notfast;
     if (spec == TO_COPY)
         goto notfast_clean;
-    tmp = PyObject_GetAttr(spec, s_policy);
+    tmp = GET(spec, policy);
     if (tmp == NULL)
         goto notfast;
     if (tmp != DEFER) { /* policies are small ints: the same object as opspec.DEFER */
@@ -440,7 +492,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         goto notfast_clean;
     }
     Py_CLEAR(tmp);
-    tmp = PyObject_GetAttr(spec, s_view_arg);
+    tmp = GET(spec, view_arg);
     if (tmp == NULL)
         goto notfast;
     {
@@ -482,7 +534,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         Py_CLEAR(tmp);
     }
     {
-        int bi = get_bool(spec, s_bool_index);
+        int bi = get_bool(spec, s_bool_index, &f_bool_index);
         if (bi != 0)
             goto notfast_maybe_err;
     }
@@ -495,14 +547,14 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         goto notfast;
     busy_set = 1;
     {
-        int fo = get_bool(eng, s_foreign);
+        int fo = get_bool(eng, s_foreign, NULL);
         if (fo != 0)
             goto notfast_maybe_err; /* another thread runs this trace: Python waits on lock */
     }
     tr = PyObject_GetAttr(eng, s_trace);
     if (tr == NULL)
         goto notfast;
-    ops = PyObject_GetAttr(tr, s_ops);
+    ops = GET(tr, ops);
     if (ops == NULL)
         goto notfast;
     if (!PyList_CheckExact(ops))
@@ -521,22 +573,22 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     }
     c.tr = tr;
     c.spec = spec;
-    c.ext_ids = PyObject_GetAttr(tr, s_ext_ids);
+    c.ext_ids = GET(tr, ext_ids);
     if (c.ext_ids == NULL)
         goto notfast;
     Py_DECREF(c.ext_ids); /* the trace holds it */
     if (!PyDict_CheckExact(c.ext_ids))
         goto notfast_clean;
-    last = PyObject_GetAttr(tr, s_last);
+    last = GET(tr, last);
     if (last == NULL)
         goto notfast;
     if (!PyList_CheckExact(last))
         goto notfast_clean;
     c.n_slots_list = PyList_GET_SIZE(SLOTS);
-    c.structural = get_bool(spec, s_structural);
+    c.structural = get_bool(spec, s_structural, &f_structural);
     if (c.structural < 0)
         goto notfast;
-    c.scalar_pos = PyObject_GetAttr(spec, s_scalar_pos);
+    c.scalar_pos = GET(spec, scalar_pos);
     if (c.scalar_pos == NULL)
         goto notfast;
     Py_DECREF(c.scalar_pos); /* the spec holds it */
@@ -628,7 +680,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         PyTuple_SET_ITEM(margs, i, m);
     }
     if (nkw) { /* Engine._key_kwargs */
-        c.scalar_kw = PyObject_GetAttr(spec, s_scalar_kw);
+        c.scalar_kw = GET(spec, scalar_kw);
         if (c.scalar_kw == NULL)
             goto notfast;
         Py_DECREF(c.scalar_kw);
@@ -714,12 +766,12 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     }
 
     /* the trie step */
-    node = PyObject_GetAttr(tr, s_node);
+    node = GET(tr, node);
     if (node == NULL)
         goto notfast;
     if (node == Py_None)
         goto notfast_clean;
-    children = PyObject_GetAttr(node, s_children);
+    children = GET(node, children);
     if (children == NULL)
         goto notfast;
     if (!PyDict_CheckExact(children))
@@ -728,16 +780,16 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     if (child == NULL)
         goto notfast_maybe_err; /* a miss (or a template step): Python */
     Py_INCREF(child);
-    out_spec = PyObject_GetAttr(child, s_out);
+    out_spec = GET(child, out);
     if (out_spec == NULL)
         goto notfast;
 
     /* Would _note_writes arm the read guard? Then Python records the op. */
-    writes = PyObject_GetAttr(spec, s_writes);
+    writes = GET(spec, writes);
     if (writes == NULL)
         goto notfast;
     if (writes != Py_None) {
-        int ew = get_bool(eng, s_ext_writes);
+        int ew = get_bool(eng, s_ext_writes, NULL);
         if (ew < 0)
             goto notfast;
         if (!ew) {
@@ -751,7 +803,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
      * of those; every new lazy tensor is made here, before the trace changes */
     Py_ssize_t slots = -1;      /* tr.n_slots before this op */
     {
-        PyObject *ns = PyObject_GetAttr(tr, s_n_slots);
+        PyObject *ns = GET(tr, n_slots);
         if (ns == NULL)
             goto notfast;
         slot_obj = ns;
@@ -882,7 +934,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
 
     /* ---- commit: the changes Engine.record makes, in its order ---- */
     {
-        PyObject *scal = PyObject_GetAttr(tr, s_scalars);
+        PyObject *scal = GET(tr, scalars);
         int err = scal == NULL || !PyList_CheckExact(scal);
         for (int q = 0; q < c.n_pending && !err; q++) {
             Py_INCREF(n_op_obj);
@@ -893,16 +945,16 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
             if (PyList_Append(scal, c.scalars[q]) < 0)
                 err = 1;
         Py_XDECREF(scal);
-        if (err || PyObject_SetAttr(tr, s_node, child) < 0) {
+        if (err || SET(tr, node, child) < 0) {
             Py_XDECREF(next_slots);
             goto failed;
         }
     }
     if (n_new) {
-        PyObject *refs = PyObject_GetAttr(tr, s_refs);
+        PyObject *refs = GET(tr, refs);
         PyObject *m1 = PyLong_FromLong(-1);
         int err = refs == NULL || m1 == NULL ||
-                  PyObject_SetAttr(tr, s_n_slots, next_slots) < 0;
+                  SET(tr, n_slots, next_slots) < 0;
         for (int q = 0; q < n_new && !err; q++)
             err = PyList_Append(refs, newrefs[q]) < 0 || PyList_Append(last, m1) < 0;
         Py_XDECREF(refs);
@@ -911,7 +963,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         if (err)
             goto failed;
     }
-    if (PyList_Append(ops, entry) < 0 || bump(s_ops_deferred) < 0 || bump(s_ops_intercepted) < 0)
+    if (PyList_Append(ops, entry) < 0 || bump(s_ops_deferred, &f_ops_deferred) < 0 || bump(s_ops_intercepted, &f_ops_intercepted) < 0)
         goto failed;
     busy_set = 0;
     if (PyObject_SetAttr(eng, s_busy, Py_False) < 0)
@@ -1009,14 +1061,16 @@ hot_dispatch(PyObject *module, PyObject *const *av, Py_ssize_t nargsf, PyObject 
 static PyObject *
 hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
 {
-    if (n != 12) {
+    if (n != 15) {
         PyErr_SetString(PyExc_TypeError,
                         "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, "
-                        "set_bits, METRICS, NO_KWARGS, TO_COPY, DEFER, fallback)");
+                        "set_bits, METRICS, NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, "
+                        "OpSpec)");
         return NULL;
     }
     if (!PyType_Check(av[0]) || !PyType_Check(av[1]) || !PyType_Check(av[2]) ||
-        !PyType_Check(av[3]) || !PyList_CheckExact(av[4]) || !PyDict_CheckExact(av[8])) {
+        !PyType_Check(av[3]) || !PyList_CheckExact(av[4]) || !PyDict_CheckExact(av[8]) ||
+        !PyType_Check(av[12]) || !PyType_Check(av[13]) || !PyType_Check(av[14])) {
         PyErr_SetString(PyExc_TypeError, "init: unexpected argument types");
         return NULL;
     }
@@ -1026,6 +1080,26 @@ hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
         Py_INCREF(av[i]);
         Py_XSETREF(*dst[i], av[i]);
     }
+    fast_init(&f_ops, av[12], "ops");
+    fast_init(&f_ext_ids, av[12], "ext_ids");
+    fast_init(&f_last, av[12], "last");
+    fast_init(&f_scalars, av[12], "scalars");
+    fast_init(&f_node, av[12], "node");
+    fast_init(&f_n_slots, av[12], "n_slots");
+    fast_init(&f_refs, av[12], "refs");
+    fast_init(&f_children, av[13], "children");
+    fast_init(&f_out, av[13], "out");
+    fast_init(&f_policy, av[14], "policy");
+    fast_init(&f_view_arg, av[14], "view_arg");
+    fast_init(&f_bool_index, av[14], "bool_index");
+    fast_init(&f_structural, av[14], "structural");
+    fast_init(&f_scalar_pos, av[14], "scalar_pos");
+    fast_init(&f_scalar_kw, av[14], "scalar_kw");
+    fast_init(&f_writes, av[14], "writes");
+    fast_init(&f_wrapper_args, av[3], "wrapper_args");
+    fast_init(&f_bits, av[3], "bits");
+    fast_init(&f_ops_intercepted, (PyObject *)Py_TYPE(av[7]), "ops_intercepted");
+    fast_init(&f_ops_deferred, (PyObject *)Py_TYPE(av[7]), "ops_deferred");
     ready = 1;
     Py_RETURN_NONE;
 }
@@ -1033,7 +1107,12 @@ hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
 static PyObject *
 hot_stats(PyObject *module, PyObject *unused)
 {
-    return Py_BuildValue("{snsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault);
+    Fast *fs[] = {&f_ops, &f_ext_ids, &f_last, &f_scalars, &f_node, &f_n_slots, &f_refs, &f_children, &f_out, &f_policy, &f_view_arg, &f_bool_index, &f_structural, &f_scalar_pos, &f_scalar_kw, &f_writes, &f_wrapper_args, &f_bits, &f_ops_intercepted, &f_ops_deferred};
+    Py_ssize_t direct = 0;
+    for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++)
+        direct += fs[i]->off >= 0;
+    return Py_BuildValue("{snsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
+                         "direct_fields", direct);
 }
 
 static PyObject *
@@ -1049,10 +1128,11 @@ static PyMethodDef methods[] = {
      "common case of recording an op on a known trace done in C (Note [C accelerator])."},
     {"init", (PyCFunction)(void (*)(void))hot_init, METH_FASTCALL,
      "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, set_bits, METRICS, "
-     "NO_KWARGS, TO_COPY, DEFER, fallback): the engine's objects, once."},
+     "NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, OpSpec): the engine's objects, "
+     "once."},
     {"stats", hot_stats, METH_NOARGS,
      "Ops recorded in C (fast), handed to the Python path (slow), errors met while checking "
-     "(faults: the Python path then ran the op)."},
+     "(faults: the Python path then ran the op), __slots__ fields read at their offsets."},
     {"reset_stats", hot_reset_stats, METH_NOARGS, "Zero the counters of stats()."},
     {NULL, NULL, 0, NULL},
 };

@@ -149,8 +149,13 @@ try:  # the optional C accelerator (setup.py builds it where a compiler exists)
 except ImportError:
     _hot = None
 if _hot is not None:
+    from adaptive_eager.cache.memory import TrieNode
+    from adaptive_eager.dispatch.opspec import OpSpec
+    from adaptive_eager.trace import Trace
+
     _hot.init(LazyTensor, _T, torch.nn.Parameter, Meta, SLOTS, _T._make_wrapper_subclass,
-              _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER, DeferMode.__dict__["__torch_dispatch__"])
+              _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER, DeferMode.__dict__["__torch_dispatch__"],
+              Trace, TrieNode, OpSpec)
 
 
 def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:
