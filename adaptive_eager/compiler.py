@@ -408,8 +408,9 @@ class _CheckedSize:
     """A symbolic program's first fused run at one size (Note [symbolic programs] in graph.py):
     the program runs on copies of the inputs, the trace op by op on the real ones, and the
     op-by-op values are returned; agreement within the fused tolerance lets later runs at this
-    size run fused. A raise or a difference is counted; that size stays op by op, and a trace
-    with two bad sizes is quarantined."""
+    size run fused (and, once SYM_CHECKED_SIZES sizes agreed, new sizes run unchecked). A
+    raise or a difference is counted; that size stays op by op, and a trace with two bad
+    sizes is quarantined."""
 
     def __init__(self, mgr: CompileManager, entry: TraceEntry, trace: Trace, prog: Any, s: int,
                  sizes: dict[int, bool]) -> None:

@@ -1,6 +1,8 @@
 """Dynamic-size programs for symbolic traces (issue 15 stage 2, Note [symbolic programs] in
 adaptive_eager/graph.py): a hot template trace compiles once into one Inductor program that
-serves every value of s; each size's first fused run is checked against op-by-op replay.
+serves every value of s; the first fused run at each new size is checked against op-by-op
+replay until SYM_CHECKED_SIZES sizes agreed, then new sizes run the program directly. The
+program is loaded from the disk cache by a later process.
 
 Eager runs first on the same inputs; fused results are compared within the tolerance the
 crosscheck uses (adaptive_eager.fused._TOL), op-by-op ones bitwise.
