@@ -19,7 +19,10 @@ engine, and whether it stepped aside, carries over, Note [contexts are rounds]);
 the median over pairs of engine time / eager time.
 
 Every engine row says whether the engine stepped aside: ``aside`` counts the timed steps (or
-generations) that reached no engine at all (plain eager), e.g. ``3/3``.
+generations) that reached no engine at all (plain eager), e.g. ``3/3``, and says why from the
+engine's state after the last timed run: ``aside`` (the estimate or the trial said plain eager
+is faster), ``waiting on compiles`` (Note [waiting aside]: plain eager while a compile is in
+flight), ``trial`` or ``in the engine``.
 
 - ``train``: Hugging Face ``GPT2LMHeadModel`` from a config (2 layers, width 64, 2 heads, vocab
   256, no dropout), batch 8, the sequence length drawn uniformly from 16..64 per step (one fixed
@@ -165,6 +168,33 @@ def _aside_count(ops: list[int]) -> str:
     return f"{sum(1 for n in ops if n == 0)}/{len(ops)}"
 
 
+def _engine_state() -> str:
+    """This thread's engine (the one in force, or the one kept for the next context)."""
+    from adaptive_eager import api
+
+    p = api._state.presence or api._state.standing
+    if p is None:
+        return "none"
+    if p.aside:
+        return "aside"
+    if p.waiting:
+        return "waiting on compiles"
+    if p.trial is not None:
+        return "trial"
+    return "in the engine"
+
+
+def _aside_cell(r: dict[str, Any]) -> str:
+    """The table's aside column: how many timed runs were plain eager, and why."""
+    if "aside" not in r:
+        return "-"
+    return f"{r['aside']} ({r['state']})" if r.get("state") else r["aside"]
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
 def run_train(mode: str, steps: int) -> dict[str, Any]:
     if mode == "engine_paired":
         return _run_train_paired(steps)
@@ -193,6 +223,7 @@ def run_train(mode: str, steps: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             if engine and i >= _STEPS_SKIP:
                 ops.append(_ops() - n0)
+        state = _engine_state() if engine else ""
     total = time.perf_counter() - t_run
     end = _snapshot() if engine else {}
     out: dict[str, Any] = {"ms_per_step": round(1e3 * _median(times[_STEPS_SKIP:]), 3),
@@ -201,7 +232,7 @@ def run_train(mode: str, steps: int) -> dict[str, Any]:
                            "first_steps_s": round(sum(times[:_STEPS_SKIP]), 2),
                            "total_s": round(total, 2), "losses": losses}
     if engine:
-        out["aside"] = _aside_count(ops)
+        out["aside"], out["state"] = _aside_count(ops), state
     out.update(_engine_summary(start, mid, end, steps - _STEPS_SKIP))
     return out
 
@@ -236,12 +267,13 @@ def _run_train_paired(steps: int) -> dict[str, Any]:
         if i >= _STEPS_SKIP:
             ops.append(_ops() - n0)
     end = _snapshot()
+    state = _engine_state()
     e, g = engine_t[_STEPS_SKIP:], eager_t[_STEPS_SKIP:]
     out: dict[str, Any] = {"ms_per_step": round(1e3 * _median(e), 3),
                            "eager_ms_per_step": round(1e3 * _median(g), 3),
                            "paired_ratio": round(_median([a / b for a, b in zip(e, g)]), 3),
                            "first_steps_s": round(sum(engine_t[:_STEPS_SKIP]), 2),
-                           "losses": losses, "aside": _aside_count(ops)}
+                           "losses": losses, "aside": _aside_count(ops), "state": state}
     out.update(_engine_summary(start, mid, end, steps - _STEPS_SKIP))
     return out
 
@@ -286,12 +318,13 @@ def run_generate(mode: str, tokens: int, reps: int = 3) -> dict[str, Any]:
                         if engine:
                             ops.append(_ops() - n0)
                     seqs.append(ids)
+                state = _engine_state() if engine else ""
             end = _snapshot() if engine else {}
             row: dict[str, Any] = {"ms_per_token": round(1e3 * _median(per_token), 3),
                                    "tokens": seqs[-1],
                                    "same_each_time": all(s == seqs[0] for s in seqs)}
             if engine:
-                row["aside"] = _aside_count(ops)
+                row["aside"], row["state"] = _aside_count(ops), state
             row.update(_engine_summary(start, mid, end, reps * tokens))
             out[f"{arch}/{grad_ctx_name}"] = row
     return out
@@ -328,7 +361,7 @@ def _generate_paired(model: Any, prompt: Any, tokens: int, reps: int, grad_ctx: 
         "eager_ms_per_token": round(1e3 * _median(eager_t), 3),
         "paired_ratio": round(_median([a / b for a, b in zip(engine_t, eager_t)]), 3),
         "tokens": seqs[-1], "same_each_time": all(s == seqs[0] for s in seqs),
-        "aside": _aside_count(ops)}
+        "aside": _aside_count(ops), "state": _engine_state()}
     row.update(_engine_summary(start, mid, end, reps * tokens))
     return row
 
@@ -424,8 +457,8 @@ def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             b = r.get("eager_ms_per_step", base)
             lines.append(
                 f"| {mode} | {ms:.1f} | {_speed(b, ms)} | {_time_ratio(r, b, ms)} | "
-                f"{_speed(comp, ms) if comp else '-'} | {r.get('aside', '-')} | "
-                f"{r.get('hit_rate', '-')} | {r.get('flushes_per_step', '-')} | "
+                f"{_speed(comp, ms) if comp else '-'} | {_aside_cell(r)} | "
+                f"{_cell(r.get('hit_rate'))} | {r.get('flushes_per_step', '-')} | "
                 f"{r.get('compiles', '-')} | {r.get('max_loss_diff_vs_eager', '-')} |")
     gen = results.get("generate")
     if gen:
@@ -444,8 +477,8 @@ def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 ms = r["ms_per_token"]
                 b = r.get("eager_ms_per_token", base)
                 lines.append(f"| {case} | {mode} | {ms:.2f} | {_speed(b, ms)} | "
-                             f"{_time_ratio(r, b, ms)} | {r.get('aside', '-')} | "
-                             f"{r.get('hit_rate', '-')} | {r.get('compiles', '-')} | "
+                             f"{_time_ratio(r, b, ms)} | {_aside_cell(r)} | "
+                             f"{_cell(r.get('hit_rate'))} | {r.get('compiles', '-')} | "
                              f"{r.get('tokens_equal_eager', '-')} |")
     return "\n".join(lines)
 
