@@ -36,7 +36,7 @@
 #define MAX_OUTS 16
 
 static PyObject *LazyT, *TensorT, *ParamT, *MetaT, *SLOTS, *make_wrapper, *set_bits, *Mobj,
-    *NO_KWARGS, *TO_COPY, *fallback, *DEFER;
+    *NO_KWARGS, *TO_COPY, *fallback, *DEFER, *EngineT;
 static int ready = 0;
 /* Attributes of the engine's __slots__ classes (Trace, TrieNode, OpSpec, Meta, Metrics) are read
  * and written at their member offsets when the object's type is exactly the class seen at init
@@ -392,6 +392,40 @@ get_bool(PyObject *o, PyObject *name, Fast *f)
     return r;
 }
 
+/* The engine (a plain class, exactly Engine) keeps its state in its instance dict: read and
+ * written there, as generic attribute access on it does. */
+static PyObject *
+eget(PyObject *eng, PyObject *ed, PyObject *name)
+{
+    if (ed != NULL) {
+        PyObject *v = PyDict_GetItemWithError(ed, name);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return PyObject_GetAttr(eng, name);
+}
+
+static int
+eset(PyObject *eng, PyObject *ed, PyObject *name, PyObject *v)
+{
+    return ed != NULL ? PyDict_SetItem(ed, name, v) : PyObject_SetAttr(eng, name, v);
+}
+
+static int
+eget_bool(PyObject *eng, PyObject *ed, PyObject *name)
+{
+    PyObject *v = eget(eng, ed, name);
+    if (v == NULL)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
 /* Add one to an int attribute of the metrics object. */
 static int
 bump(PyObject *name, Fast *f)
@@ -458,6 +492,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     PyObject *out_spec = NULL, *out = NULL, *entry = NULL, *slot_obj = NULL;
     PyObject *n_op_obj = NULL, *writes = NULL, *okw = NULL;
     PyObject *kw_marked = NULL;
+    PyObject *ed = NULL; /* the engine's instance dict */
     PyObject *news[MAX_OUTS], *newrefs[MAX_OUTS]; /* new lazy outputs, their weak refs */
     int n_new = 0, n_refs = 0;
     PyObject *slots_val = NULL; /* the tr.ops entry's output slots */
@@ -542,16 +577,18 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     eng = PyObject_GetAttr(mode, s_engine);
     if (eng == NULL)
         goto notfast;
+    if (Py_TYPE(eng) == (PyTypeObject *)EngineT && (ed = PyObject_GenericGetDict(eng, NULL)) == NULL)
+        goto notfast;
     /* Note [threads and lazy tensors] in engine.py: announce, then look (as Engine.record) */
-    if (PyObject_SetAttr(eng, s_busy, Py_True) < 0)
+    if (eset(eng, ed, s_busy, Py_True) < 0)
         goto notfast;
     busy_set = 1;
     {
-        int fo = get_bool(eng, s_foreign, NULL);
+        int fo = eget_bool(eng, ed, s_foreign);
         if (fo != 0)
             goto notfast_maybe_err; /* another thread runs this trace: Python waits on lock */
     }
-    tr = PyObject_GetAttr(eng, s_trace);
+    tr = eget(eng, ed, s_trace);
     if (tr == NULL)
         goto notfast;
     ops = GET(tr, ops);
@@ -561,7 +598,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         goto notfast_clean;
     Py_ssize_t n_op = PyList_GET_SIZE(ops);
     {
-        PyObject *cap = PyObject_GetAttr(eng, s_cap);
+        PyObject *cap = eget(eng, ed, s_cap);
         if (cap == NULL)
             goto notfast;
         Py_ssize_t capv = PyLong_AsSsize_t(cap);
@@ -789,7 +826,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     if (writes == NULL)
         goto notfast;
     if (writes != Py_None) {
-        int ew = get_bool(eng, s_ext_writes, NULL);
+        int ew = eget_bool(eng, ed, s_ext_writes);
         if (ew < 0)
             goto notfast;
         if (!ew) {
@@ -966,11 +1003,12 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     if (PyList_Append(ops, entry) < 0 || bump(s_ops_deferred, &f_ops_deferred) < 0 || bump(s_ops_intercepted, &f_ops_intercepted) < 0)
         goto failed;
     busy_set = 0;
-    if (PyObject_SetAttr(eng, s_busy, Py_False) < 0)
+    if (eset(eng, ed, s_busy, Py_False) < 0)
         goto failed;
     n_fast++;
     Py_DECREF(spec);
     Py_DECREF(eng);
+    Py_XDECREF(ed);
     Py_DECREF(tr);
     Py_DECREF(key);
     Py_DECREF(margs);
@@ -996,7 +1034,7 @@ failed: /* a change failed midway (out of memory): raise, as Engine.record would
     {
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
-        if (busy_set && PyObject_SetAttr(eng, s_busy, Py_False) < 0)
+        if (busy_set && eset(eng, ed, s_busy, Py_False) < 0)
             PyErr_Clear();
         PyErr_Restore(et, ev, tb);
         busy_set = 0;
@@ -1011,11 +1049,12 @@ notfast:
     if (PyErr_Occurred())
         note_error();
 notfast_clean:
-    if (busy_set && PyObject_SetAttr(eng, s_busy, Py_False) < 0)
+    if (busy_set && eset(eng, ed, s_busy, Py_False) < 0)
         PyErr_Clear();
 cleanup:
     Py_XDECREF(spec);
     Py_XDECREF(eng);
+    Py_XDECREF(ed);
     Py_XDECREF(tr);
     Py_XDECREF(tmp);
     Py_XDECREF(key);
@@ -1061,16 +1100,17 @@ hot_dispatch(PyObject *module, PyObject *const *av, Py_ssize_t nargsf, PyObject 
 static PyObject *
 hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
 {
-    if (n != 15) {
+    if (n != 16) {
         PyErr_SetString(PyExc_TypeError,
                         "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, "
                         "set_bits, METRICS, NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, "
-                        "OpSpec)");
+                        "OpSpec, Engine)");
         return NULL;
     }
     if (!PyType_Check(av[0]) || !PyType_Check(av[1]) || !PyType_Check(av[2]) ||
         !PyType_Check(av[3]) || !PyList_CheckExact(av[4]) || !PyDict_CheckExact(av[8]) ||
-        !PyType_Check(av[12]) || !PyType_Check(av[13]) || !PyType_Check(av[14])) {
+        !PyType_Check(av[12]) || !PyType_Check(av[13]) || !PyType_Check(av[14]) ||
+        !PyType_Check(av[15])) {
         PyErr_SetString(PyExc_TypeError, "init: unexpected argument types");
         return NULL;
     }
@@ -1100,6 +1140,8 @@ hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
     fast_init(&f_bits, av[3], "bits");
     fast_init(&f_ops_intercepted, (PyObject *)Py_TYPE(av[7]), "ops_intercepted");
     fast_init(&f_ops_deferred, (PyObject *)Py_TYPE(av[7]), "ops_deferred");
+    Py_INCREF(av[15]);
+    Py_XSETREF(EngineT, av[15]);
     ready = 1;
     Py_RETURN_NONE;
 }
@@ -1128,8 +1170,8 @@ static PyMethodDef methods[] = {
      "common case of recording an op on a known trace done in C (Note [C accelerator])."},
     {"init", (PyCFunction)(void (*)(void))hot_init, METH_FASTCALL,
      "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, set_bits, METRICS, "
-     "NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, OpSpec): the engine's objects, "
-     "once."},
+     "NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, OpSpec, Engine): the engine's "
+     "objects, once."},
     {"stats", hot_stats, METH_NOARGS,
      "Ops recorded in C (fast), handed to the Python path (slow), errors met while checking "
      "(faults: the Python path then ran the op), __slots__ fields read at their offsets."},

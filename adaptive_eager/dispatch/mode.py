@@ -155,7 +155,7 @@ if _hot is not None:
 
     _hot.init(LazyTensor, _T, torch.nn.Parameter, Meta, SLOTS, _T._make_wrapper_subclass,
               _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER, DeferMode.__dict__["__torch_dispatch__"],
-              Trace, TrieNode, OpSpec)
+              Trace, TrieNode, OpSpec, Engine)
 
 
 def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:
