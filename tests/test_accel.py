@@ -126,6 +126,32 @@ def kwargs_and_lists() -> Step:
     return step
 
 
+def multi_outputs() -> Step:
+    """Ops with several outputs (tuples and lists of new lazy tensors), and values carried over
+    from the previous round (lazy tensors that hold their values by now) as inputs."""
+    a = torch.randn(6, 8)
+    w = torch.randn(6, 8, requires_grad=True)
+    carry: list[Any] = []
+
+    def step() -> Any:
+        z = a * 1.5 + (carry[-1] if carry else 0.0)
+        p, q, r = torch.split(z, [2, 2, 4], dim=1)
+        u = torch.unbind(z[:3], dim=0)
+        mx, ix = torch.max(z, dim=1)
+        sv, si = torch.sort(z, dim=-1)
+        tv, ti = torch.topk(z, 3)
+        ch = z.chunk(3, dim=0)
+        v, m = torch.var_mean(z, dim=0)
+        out = torch.cat([p, q * 2, r.sum(1, keepdim=True).expand(6, 2)], dim=1)
+        g = (w * z).tanh()  # requires grad: stays a lazy wrapper once its value is in
+        if carry:
+            g = g + carry[1] * 0.5  # last round's g: a lazy tensor holding its value
+        carry[:] = [out.sum(1, keepdim=True).expand(6, 8) * 0.01, g]
+        return [out, mx, ix, sv, si, tv, ti, *u, *ch, v, m, g.detach() + carry[1].detach()]
+
+    return step
+
+
 def module_fwd_bwd() -> Step:
     model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.GELU(),
                                 torch.nn.Linear(16, 4))
@@ -161,8 +187,8 @@ def optimizer_step() -> Step:
 
 
 PROGRAMS = {"add_chain": add_chain, "mixed_chain": mixed_chain, "inplace_ops": inplace_ops,
-            "kwargs_and_lists": kwargs_and_lists, "module_fwd_bwd": module_fwd_bwd,
-            "optimizer_step": optimizer_step}
+            "kwargs_and_lists": kwargs_and_lists, "multi_outputs": multi_outputs,
+            "module_fwd_bwd": module_fwd_bwd, "optimizer_step": optimizer_step}
 ROUNDS = 4  # the first records misses (Python); the later ones hit the trie (C)
 
 
