@@ -114,9 +114,12 @@ class _StepHook:
     one from another thread meanwhile (two threads, two engines: one entering or leaving while
     the other's step runs its hook, which flushes and so lets the other thread run) raised
     "OrderedDict mutated during iteration" in the stepping thread. Each thread's Presence is
-    looked up here instead (one dict lookup per optimizer step)."""
+    looked up here instead (one dict lookup per optimizer step). A presence stays registered
+    between contexts (adding and removing cost about 6 us per context, Note [cheap contexts] in
+    api.py; ``Presence.in_context`` says whether a step counts), weakly: a thread that ends
+    without closing its presence does not keep its engine alive."""
 
-    _by_thread: dict[int, Any] = {}
+    _by_thread: dict[int, weakref.ref] = {}
     _registered = False
     _lock = threading.Lock()
 
@@ -130,18 +133,20 @@ class _StepHook:
                 register_optimizer_step_post_hook(cls._dispatch)
                 cls._registered = True
             handle = cls(presence.thread, presence)
-            cls._by_thread[presence.thread] = presence
+            cls._by_thread[presence.thread] = weakref.ref(presence)
             return handle
 
     @classmethod
     def _dispatch(cls, *args: Any) -> None:
-        presence = cls._by_thread.get(threading.get_ident())
-        if presence is not None:
+        ref = cls._by_thread.get(threading.get_ident())
+        presence = ref() if ref is not None else None
+        if presence is not None and presence.in_context:
             presence._after_step(*args)
 
     def remove(self) -> None:
         with _StepHook._lock:
-            if _StepHook._by_thread.get(self.thread) is self.presence:
+            ref = _StepHook._by_thread.get(self.thread)
+            if ref is not None and ref() in (self.presence, None):
                 del _StepHook._by_thread[self.thread]
 
 
@@ -158,6 +163,7 @@ class Presence:
         self.steps_aside = 0
         self._hooks: list[Any] = []
         self._step_hook: Any = None
+        self.in_context = False  # between enter() and leave(): optimizer steps count
         # Note [measured trial]
         self.ticks_from: str | None = None  # "step" once an optimizer has stepped
         self.trial: str | None = None  # the side being timed: "engine", "eager" or None
@@ -206,6 +212,7 @@ class Presence:
     def enter(self) -> None:
         """The outermost context is entered (again): a safe point in plain Python."""
         self.contexts += 1
+        self.in_context = True
         opts = self.engine.options
         if (self.contexts > 1 and opts.step_aside and self.ticks_from in (None, "forward")
                 and self.calls_in_context <= 1):
@@ -233,14 +240,15 @@ class Presence:
             elif self.pending is not None:
                 self.safe_point()
         finally:
-            self._remove_tick_hooks()
+            self.in_context = False  # the step hook stays registered (see _StepHook)
+            if self._tick_hooks:
+                self._remove_tick_hooks()
             self.deactivate()
-            self._remove_hooks()
-            if self._step_hook is not None:
-                self._step_hook.remove()
-                self._step_hook = None
+            if self._hooks:
+                self._remove_hooks()
 
     def close(self) -> None:
+        self.in_context = False
         self._remove_tick_hooks()
         self.deactivate()
         self._remove_hooks()
@@ -315,7 +323,12 @@ class Presence:
         if self.trial is not None:
             self._time_round()
         elif self.waiting:
-            if not self.engine.compiler.compiling():
+            # compiling() takes locks (~3 us a round): asked only once the process-wide count
+            # of compiles in flight, which each compile's done-callback lowers, says none, or
+            # every 16th round (another thread's compile may hold the count up)
+            self.steps_aside += 1
+            if ((not M.compiles_pending or (self.steps_aside & 15) == 0)
+                    and not self.engine.compiler.compiling()):
                 self.waiting = False
                 self.activate()
                 log.info("adaptive_eager: compiles done; back in the engine")
@@ -336,6 +349,7 @@ class Presence:
             self.engine.flush("compile_wait")
             self.deactivate()
             self.waiting = True
+            self.steps_aside = 0
             M.compile_waits += 1
             log.info("adaptive_eager: plain eager while compiling")
         else:

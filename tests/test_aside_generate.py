@@ -293,3 +293,58 @@ def test_generate_aside_matches_eager_and_leaves_no_global_hook(
             assert ae.metrics()["ops_intercepted"] == n0  # plain eager
     assert all(g == want for g in got), (got, want)
     assert _our_global_hooks() == 0 and _module_hooks(model) == 0
+
+
+def test_step_hook_stays_between_contexts_and_counts_only_inside(
+        monkeypatch: pytest.MonkeyPatch, cache_dir: Path, graph_backend: Any) -> None:
+    """The optimizer step hook stays registered between contexts (no registration per context,
+    Note [cheap contexts]), but a step taken outside every context counts no round; inside, rounds
+    count again; results are eager's."""
+    from adaptive_eager.aside import _StepHook
+    from helpers import train_steps
+
+    _always_aside(monkeypatch)
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+
+    x, y = torch.randn(5, 6), torch.randn(5, 1)
+    model, opt = fresh()
+    ref = train_steps(model, opt, x, y, 50)
+    model, opt = fresh()
+    options = dict(backend=graph_backend.name, hot_after=2, compile_async=False,
+                   cache_dir=str(cache_dir), disk_cache=False, probe_every=1000)
+    losses = train_steps(model, opt, x, y, 30, options)
+    presence = ae.api._state.standing
+    assert presence is not None and presence.aside and not presence.in_context
+    ref_to = _StepHook._by_thread.get(presence.thread)
+    assert ref_to is not None and ref_to() is presence  # still registered
+    before = presence.steps_aside
+    losses += train_steps(model, opt, x, y, 10)  # outside any context
+    assert presence.steps_aside == before
+    losses += train_steps(model, opt, x, y, 10, options)  # the same options: the same presence
+    assert ae.api._state.standing is presence and presence.steps_aside == before + 10
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+def test_a_finished_thread_leaves_no_engine_behind(cache_dir: Path) -> None:
+    """The step hook holds each thread's presence weakly: once a thread that used the engine
+    has ended, its engine can be collected."""
+    import gc
+    import threading
+    import weakref
+
+    refs: list[weakref.ref] = []
+
+    def work() -> None:
+        with ae.adaptive_eager(backend="replay"):
+            (torch.ones(3) * 2).sum().item()
+            refs.append(weakref.ref(ae.api._state.engine))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    gc.collect()
+    assert refs and refs[0]() is None
