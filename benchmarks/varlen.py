@@ -33,7 +33,7 @@ flight), ``trial`` or ``in the engine``.
 - ``generate``: a config-built GPT-2 (2 layers, width 64) and Llama (2 layers, hidden 64), a
   prompt of 8 tokens, 64 new tokens greedy with the KV cache, under ``torch.no_grad()`` and
   ``torch.inference_mode()``; ms per new token (median of ``--reps`` generations after one
-  warm-up) and the engine's hit rate; generated tokens are checked against eager's.
+  warm-up), the calling thread's CPU time per token beside it, and the engine's hit rate; generated tokens are checked against eager's.
 """
 
 from __future__ import annotations
@@ -278,12 +278,14 @@ def _run_train_paired(steps: int) -> dict[str, Any]:
     return out
 
 
-def _generate(model: Any, prompt: Any, tokens: int) -> tuple[float, list[int]]:
-    t0 = time.perf_counter()
+def _generate(model: Any, prompt: Any, tokens: int) -> tuple[float, float, list[int]]:
+    """Wall time, this thread's CPU time (what the engine's own work costs, without the waits
+    for a core that a loaded machine or a background compile adds), and the tokens."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     seq = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens,
                          do_sample=False, use_cache=True, pad_token_id=0)
     ids = seq[0].tolist()
-    return time.perf_counter() - t0, ids
+    return time.perf_counter() - t0, time.thread_time() - c0, ids
 
 
 def run_generate(mode: str, tokens: int, reps: int = 3) -> dict[str, Any]:
@@ -304,6 +306,7 @@ def run_generate(mode: str, tokens: int, reps: int = 3) -> dict[str, Any]:
                 continue
             start = _snapshot() if engine else {}
             per_token: list[float] = []
+            cpu_per_token: list[float] = []
             seqs: list[list[int]] = []
             ops: list[int] = []
             mid: dict[str, Any] = {}
@@ -312,15 +315,17 @@ def run_generate(mode: str, tokens: int, reps: int = 3) -> dict[str, Any]:
                     if rep == 1 and engine:
                         mid = _snapshot()
                     n0 = _ops() if engine else 0
-                    dt, ids = _generate(model, prompt, tokens)
+                    dt, cpu, ids = _generate(model, prompt, tokens)
                     if rep:
                         per_token.append(dt / tokens)
+                        cpu_per_token.append(cpu / tokens)
                         if engine:
                             ops.append(_ops() - n0)
                     seqs.append(ids)
                 state = _engine_state() if engine else ""
             end = _snapshot() if engine else {}
             row: dict[str, Any] = {"ms_per_token": round(1e3 * _median(per_token), 3),
+                                   "cpu_ms_per_token": round(1e3 * _median(cpu_per_token), 3),
                                    "tokens": seqs[-1],
                                    "same_each_time": all(s == seqs[0] for s in seqs)}
             if engine:
@@ -338,6 +343,8 @@ def _generate_paired(model: Any, prompt: Any, tokens: int, reps: int, grad_ctx: 
 
     eager_t: list[float] = []
     engine_t: list[float] = []
+    eager_c: list[float] = []
+    engine_c: list[float] = []
     seqs: list[list[int]] = []
     ops: list[int] = []
     start = _snapshot()
@@ -346,20 +353,24 @@ def _generate_paired(model: Any, prompt: Any, tokens: int, reps: int, grad_ctx: 
         for rep in range(reps + 1):  # the first pair is the warm-up
             if rep == 1:
                 mid = _snapshot()
-            g, ids = _generate(model, prompt, tokens)
+            g, gc, ids = _generate(model, prompt, tokens)
             n0 = _ops()
             with adaptive_eager.adaptive_eager():
-                e, got = _generate(model, prompt, tokens)
+                e, ec, got = _generate(model, prompt, tokens)
             seqs.append(got)
             if rep:
                 eager_t.append(g / tokens)
                 engine_t.append(e / tokens)
+                eager_c.append(gc / tokens)
+                engine_c.append(ec / tokens)
                 ops.append(_ops() - n0)
     end = _snapshot()
     row: dict[str, Any] = {
         "ms_per_token": round(1e3 * _median(engine_t), 3),
         "eager_ms_per_token": round(1e3 * _median(eager_t), 3),
         "paired_ratio": round(_median([a / b for a, b in zip(engine_t, eager_t)]), 3),
+        "cpu_ms_per_token": round(1e3 * _median(engine_c), 3),
+        "cpu_paired_ratio": round(_median([a / b for a, b in zip(engine_c, eager_c) if b > 0]), 3),
         "tokens": seqs[-1], "same_each_time": all(s == seqs[0] for s in seqs),
         "aside": _aside_count(ops), "state": _engine_state()}
     row.update(_engine_summary(start, mid, end, reps * tokens))
@@ -429,7 +440,10 @@ def _check_generate(rows: dict[str, dict[str, Any]]) -> None:
                 r.pop("tokens", None)
 
 
-def _speed(base: float | None, ms: float) -> str:
+def _speed(base: float | None, ms: float, r: dict[str, Any] | None = None) -> str:
+    """Eager's time / this mode's (paired rows: 1 / the median of the pairs' ratios)."""
+    if r is not None and r.get("paired_ratio"):
+        return f"{1 / r['paired_ratio']:.2f}x"
     return f"{base / ms:.2f}x" if base and ms else "-"
 
 
@@ -456,28 +470,32 @@ def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             ms = r["ms_per_step"]
             b = r.get("eager_ms_per_step", base)
             lines.append(
-                f"| {mode} | {ms:.1f} | {_speed(b, ms)} | {_time_ratio(r, b, ms)} | "
+                f"| {mode} | {ms:.1f} | {_speed(b, ms, r)} | {_time_ratio(r, b, ms)} | "
                 f"{_speed(comp, ms) if comp else '-'} | {_aside_cell(r)} | "
                 f"{_cell(r.get('hit_rate'))} | {r.get('flushes_per_step', '-')} | "
                 f"{r.get('compiles', '-')} | {r.get('max_loss_diff_vs_eager', '-')} |")
     gen = results.get("generate")
     if gen:
         lines += ["", "| generate | mode | ms/token | speed vs eager | time / eager | "
-                  "aside (timed runs plain eager) | hit rate | compiles | tokens equal eager |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "CPU time / eager | aside (timed runs plain eager) | hit rate | compiles | "
+                  "tokens equal eager |", "|---|---|---|---|---|---|---|---|---|---|"]
         cases = sorted({c for r in gen.values() for c in r if isinstance(r.get(c), dict)})
         for case in cases:
             base = gen.get("eager", {}).get(case, {}).get("ms_per_token")
+            cbase = gen.get("eager", {}).get(case, {}).get("cpu_ms_per_token")
             for mode, row in gen.items():
                 r = row.get(case)
                 if not isinstance(r, dict):
                     lines.append(f"| {case} | {mode} | error: {str(row.get('error'))[:80]} "
-                                 "| | | | | | |")
+                                 "| | | | | | | |")
                     continue
                 ms = r["ms_per_token"]
                 b = r.get("eager_ms_per_token", base)
-                lines.append(f"| {case} | {mode} | {ms:.2f} | {_speed(b, ms)} | "
-                             f"{_time_ratio(r, b, ms)} | {_aside_cell(r)} | "
+                cpu = r.get("cpu_ms_per_token")
+                cratio = (f"{r['cpu_paired_ratio']:.2f} (paired)" if "cpu_paired_ratio" in r
+                          else f"{cpu / cbase:.2f}" if cpu and cbase else "-")
+                lines.append(f"| {case} | {mode} | {ms:.2f} | {_speed(b, ms, r)} | "
+                             f"{_time_ratio(r, b, ms)} | {cratio} | {_aside_cell(r)} | "
                              f"{_cell(r.get('hit_rate'))} | {r.get('compiles', '-')} | "
                              f"{r.get('tokens_equal_eager', '-')} |")
     return "\n".join(lines)
