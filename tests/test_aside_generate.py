@@ -348,3 +348,26 @@ def test_a_finished_thread_leaves_no_engine_behind(cache_dir: Path) -> None:
     t.join()
     gc.collect()
     assert refs and refs[0]() is None
+
+
+def test_varlen_benchmark_median_and_table() -> None:
+    """benchmarks/varlen.py: the median is statistics.median (the mean of the two middle values
+    for an even count), and each generation row says how many timed runs were plain eager and
+    why, next to wall and CPU time ratios (paired where measured so)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import varlen
+
+    assert varlen._median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    rows = {"eager": {"gpt2/no_grad": {"ms_per_token": 1.0, "cpu_ms_per_token": 1.0}},
+            "engine": {"gpt2/no_grad": {"ms_per_token": 1.25, "cpu_ms_per_token": 1.05,
+                                        "aside": "3/3", "state": "aside", "hit_rate": None,
+                                        "compiles": 0}},
+            "engine_paired": {"gpt2/no_grad": {"ms_per_token": 1.0, "cpu_ms_per_token": 1.0,
+                                               "eager_ms_per_token": 1.0, "paired_ratio": 1.02,
+                                               "cpu_paired_ratio": 1.01, "aside": "3/3",
+                                               "state": "waiting on compiles"}}}
+    table = varlen._table({"generate": rows})
+    assert "| gpt2/no_grad | engine | 1.25 | 0.80x | 1.25 | 1.05 | 3/3 (aside) | - | 0 |" in table
+    assert "1.02 (paired) | 1.01 (paired) | 3/3 (waiting on compiles)" in table
