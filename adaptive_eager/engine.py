@@ -166,7 +166,7 @@ def _flush_before_handoff(reason: str) -> None:
 # _hot.c; ADAPTIVE_EAGER_ACCEL=0 keeps this Python path): 44.5k -> 34.8k on add16 (3.7x eager's
 # 9.4k), 47.6k -> 37.4k on the mixed chain (3.0x eager's 12.5k); counted inside a marker C
 # function (callgrind --toggle-collect), PYTHONHASHSEED=0. Of add16's 34.8k the C handler is
-# 14.2k: _make_wrapper_subclass 6.2k, the wrapper's attributes and weak reference about 1.7k,
+# 13.9k: _make_wrapper_subclass 6.2k, the wrapper's attributes and weak reference about 1.7k,
 # key, trie step and bookkeeping about 6k; the other 20k are torch's (eager's op, the dispatch
 # to the mode, which builds the attribute name string anew per op, its dispatch-rule lookup,
 # boxing, the output's deallocation and __torch_function__ lookups): C cannot reach them.
