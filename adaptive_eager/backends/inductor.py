@@ -108,7 +108,7 @@ def _fake_dynamic(graph: Any) -> list[Any]:
             fakes.append(mode.from_tensor(t, symbolic_context=ctx))
         else:
             fakes.append(mode.from_tensor(t, static_shapes=True))
-    _SymbolicProp(graph.gm, mode).propagate_dont_convert_inputs(*fakes)
+    _symbolic_prop(graph.gm, mode).propagate_dont_convert_inputs(*fakes)
     # from_graph takes its fake mode from the outputs' example values: this ShapeEnv (a fresh
     # one re-ran aten.item on these fakes: "zuf0 possible memo disaster" with lifted scalars)
     for node in graph.gm.graph.nodes:
@@ -161,7 +161,8 @@ def _symbolic_prop_class() -> Any:
     return SymbolicProp
 
 
-def _SymbolicProp(gm: Any, mode: Any) -> Any:  # noqa: N802 (a class made on first use)
+def _symbolic_prop(gm: Any, mode: Any) -> Any:
+    """A SymbolicProp interpreter (the class is made on first use: torch.fx imports late)."""
     global _PROP
     if _PROP is None:
         _PROP = _symbolic_prop_class()
