@@ -5,10 +5,11 @@ A Python dispatch mode costs a few microseconds per op against eager's one; a pr
 do not profit from fusion (tiny launch-bound ops, traces that never repeat) pays that for nothing.
 When the compile manager's measurements say so, the engine leaves the mode stack. Modes cannot be
 popped from inside their own handlers (torch re-pushes them afterwards), so leaving happens at the
-next safe point in plain Python: after a module's forward or an optimizer step (global hooks,
-installed only while a step-aside is pending or in force), ``sync()``, or leaving the context.
-While aside, the optimizer hook counts steps and re-enters after ``probe_every`` of them to measure
-again.
+next safe point in plain Python: after a module's forward or an optimizer step (a global module
+hook installed only while a step-aside is pending, and the optimizer step hook), ``sync()``, or
+leaving the context. While aside, the rounds (optimizer steps, the outermost modules' calls,
+Note [root ticks], or contexts) are counted and the engine re-enters after ``probe_every`` of
+them (doubled after each probe in vain, Note [probes back off]) to measure again.
 
 Note [measured trial]
 The cost estimate behind stepping aside (compiler.step_aside_reason) under-counts real models:
