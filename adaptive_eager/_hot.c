@@ -5,16 +5,19 @@
  * (DeferMode.__torch_dispatch__ and Engine.record, Note [hot path costs] in engine.py). This
  * module does the common case of that work in C: ``dispatch`` is installed as the mode's
  * ``__torch_dispatch__`` (a bound method on the DeferMode instance, so torch calls C with no
- * Python frame), and records the op itself when
- *   - the op's OpSpec (``func._ae_spec``) has the DEFER policy, is not ``_to_copy``, has no
- *     view base other than its first argument, and no boolean-mask index;
- *   - the first argument is a pending lazy tensor (so none of the mode's early exits apply);
+ * Python frame; ADAPTIVE_EAGER_ACCEL=0 leaves the Python method), and records the op itself when
+ *   - the op's OpSpec (``func._ae_spec``) has the DEFER policy, is not ``_to_copy`` and has no
+ *     boolean-mask index;
+ *   - none of the mode's early exits can apply: the first argument is a pending lazy tensor and
+ *     the op is no view of another argument, or else ``types`` holds only LazyTensor (no
+ *     foreign subclass), a view's base is a pending lazy tensor (no run_view) and a lazy
+ *     tensor is among the arguments (no host-scalar op);
  *   - every tensor argument (positional, in a list, or a keyword) is a pending lazy tensor of
  *     this trace or a tensor already numbered in ``tr.ext_ids`` (plain Tensor/Parameter, or a
  *     lazy tensor holding its value); the other arguments are numbers, lists/tuples of those,
  *     or objects keyed as themselves (None, dtypes, devices, ...);
- *   - the trie has a child for the key whose output is one ``Meta`` (a new lazy tensor) or an
- *     int (an in-place op returning that argument);
+ *   - the trie has a child for the key whose output is one ``Meta`` (a new lazy tensor), an
+ *     int (an in-place op returning that argument), None, or a flat tuple/list of those;
  *   - nothing else is due: the op would not arm the read guard (``_note_writes``), the trace is
  *     below its cap, its slot has a shared marker, and no other thread is running the trace.
  * Anything else (and any error while checking) calls the Python ``__torch_dispatch__``, which
@@ -25,6 +28,11 @@
  * Every check runs before the first change to the trace: a fast-case op that fails a check has
  * changed nothing and goes to Python whole. Errors raised while checking are counted
  * (``stats()["faults"]``) and the Python path then runs the op as it always would.
+ * Attributes of the engine's __slots__ classes are read at their member offsets (checked by
+ * exact type), the engine's in its instance dict: what generic attribute access does, cheaper.
+ * Left to Python: the first use of an external tensor in a trace (Trace.register reads its
+ * metadata and storage), views of real tensors, host-scalar, random and grad-mode ops, nested
+ * outputs, trie misses and symbolic templates, the op that arms the read guard, the cap flush.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
