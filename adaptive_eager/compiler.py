@@ -96,7 +96,7 @@ MIN_OPS = 2  # a one-op trace has nothing to fuse
 MIN_OBSERVED = 2  # runs whose Python numbers were compared before a trace compiles
 MAX_REBAKES = 2  # recompiles of one trace because a baked-in number changed
 SYM_CHECKED_SIZES = 3  # sizes a symbolic program must agree at (per process) before it runs
-# unchecked at new sizes, as a static program does (Note [symbolic programs] in graph.py)
+# unchecked at new sizes between them, as a static program does (Note [symbolic programs])
 PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
 PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
@@ -408,7 +408,8 @@ class _CheckedSize:
     """A symbolic program's first fused run at one size (Note [symbolic programs] in graph.py):
     the program runs on copies of the inputs, the trace op by op on the real ones, and the
     op-by-op values are returned; agreement within the fused tolerance lets later runs at this
-    size run fused (and, once SYM_CHECKED_SIZES sizes agreed, new sizes run unchecked). A
+    size run fused (and, once SYM_CHECKED_SIZES sizes agreed, new sizes between the smallest and
+    the largest agreed size run unchecked). A
     raise or a difference is counted; that size stays op by op, and a trace with two bad
     sizes is quarantined."""
 
@@ -633,7 +634,12 @@ class CompileManager:
         sizes = self._sym_sizes.setdefault(entry.digest, {})
         ok = sizes.get(st.s)
         if ok is None:
-            if sum(sizes.values()) >= SYM_CHECKED_SIZES:  # agreed at that many sizes: trusted
+            # Trusted only between sizes that agreed: the program assumes what held while it
+            # compiled (a slice end within its buffer: s <= n), and such assumptions are
+            # bounds on s, which hold between two sizes where they held; a size beyond the
+            # agreed range is checked like the first ones (a growing KV cache: every token)
+            agreed = [k for k, v in sizes.items() if v]
+            if len(agreed) >= SYM_CHECKED_SIZES and min(agreed) <= st.s <= max(agreed):
                 return prog
             return _CheckedSize(self, entry, trace, prog, st.s, sizes)
         return prog if ok else None

@@ -395,7 +395,9 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
 # (Note [specializing kernels] in backends/inductor.py). The compiler runs the first fused
 # run at each new size on copies next to op-by-op replay and returns replay's values
 # (compiler._CheckedSize) until SYM_CHECKED_SIZES sizes agreed in this process; after that a
-# new size runs the program directly, as a static program does. A size whose program raised
+# new size between the smallest and the largest agreed size runs the program directly, as a
+# static program does, and one outside them is checked first (the program's shape guards,
+# such as a slice end within a buffer, are bounds on s that are not evaluated per run). A size whose program raised
 # or differed stays op by op, two such sizes quarantine the trace.
 class _PolyArg:
     """An int argument that follows s, until the graph computes it."""
