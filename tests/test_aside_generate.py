@@ -7,8 +7,10 @@ As in test_aside.py the decision is forced by pinning the measured costs, never 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,21 +124,33 @@ def test_aside_ticks_on_the_root_only_and_probes(monkeypatch: pytest.MonkeyPatch
     assert any(n > 0 for n in per_call[first + 9:]), per_call  # then the probe, ticked by the root
 
 
+def _model_and_input() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Model()
+    x = torch.ones(2, 6)
+    with torch.no_grad():
+        return model, x, model(x)
+
+
+@contextlib.contextmanager
+def _aside_after_30_steps(model: torch.nn.Module, x: torch.Tensor, cache_dir: Path,
+                          graph_backend: Any) -> Iterator[Any]:
+    """The engine on, 30 steps of the model run (enough to step aside): its presence."""
+    with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, compile_async=False,
+                           cache_dir=str(cache_dir), disk_cache=False, probe_every=1000):
+        for _ in range(30):
+            _step(model, x)
+        yield ae.api._state.presence
+
+
 def test_root_copied_or_pickled_while_aside(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
                                             graph_backend: Any) -> None:
     """A model copied or saved while its tick hooks are on it: the copy works and carries inert
     hooks (no tie to the engine: its calls count no rounds); the original still ticks."""
     _always_aside(monkeypatch)
-    torch.manual_seed(0)
-    model = _Model()
-    x = torch.ones(2, 6)
+    model, x, want = _model_and_input()
     with torch.no_grad():
-        want = model(x)
-        with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, compile_async=False,
-                               cache_dir=str(cache_dir), disk_cache=False, probe_every=1000):
-            for _ in range(30):
-                _step(model, x)
-            presence = ae.api._state.presence
+        with _aside_after_30_steps(model, x, cache_dir, graph_backend) as presence:
             assert presence.aside and _module_hooks(model) == 2, _module_hooks(model)
             copied = copy.deepcopy(model)
             loaded = pickle.loads(pickle.dumps(model))
@@ -155,16 +169,9 @@ def test_exception_in_the_root_while_aside(monkeypatch: pytest.MonkeyPatch, cach
     """The root's forward raises while aside: the user's exception comes out as it is, the
     round still ends (the post hook is always called), and later calls keep ticking."""
     _always_aside(monkeypatch)
-    torch.manual_seed(0)
-    model = _Model()
-    x = torch.ones(2, 6)
+    model, x, want = _model_and_input()
     with torch.no_grad():
-        want = model(x)
-        with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, compile_async=False,
-                               cache_dir=str(cache_dir), disk_cache=False, probe_every=1000):
-            for _ in range(30):
-                _step(model, x)
-            presence = ae.api._state.presence
+        with _aside_after_30_steps(model, x, cache_dir, graph_backend) as presence:
             assert presence.aside
             before = presence.steps_aside
             model.fail = True
