@@ -480,6 +480,7 @@ class Presence:
         self._remove_tick_hooks()
         self._depth = 0
         if kind == "roots":
+            _hide_ticks_from_torchscript()
             try:
                 before, after = _RootTick(self, False), _RootTick(self, True)
                 for m in roots:
@@ -511,6 +512,33 @@ class Presence:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _hide_ticks_from_torchscript() -> None:
+    """``torch.jit.script`` compiles every hook on the module it scripts (``get_hook_stubs``):
+    a root's tick hooks are not scriptable and are no part of the user's model (Note [root
+    ticks]), so they are left out while it looks; a user's own hooks are scripted as in eager."""
+    from torch.jit import _recursive
+
+    orig = _recursive.get_hook_stubs
+    if getattr(orig, "_ae_wrapped", False):
+        return
+
+    def get_hook_stubs(nn_module: Any) -> Any:
+        saved = []
+        for d in (nn_module._forward_hooks, nn_module._forward_pre_hooks):
+            ticks = {k: v for k, v in d.items() if type(v) is _RootTick}
+            for k in ticks:
+                del d[k]
+            saved.append((d, ticks))
+        try:
+            return orig(nn_module)
+        finally:
+            for d, ticks in saved:
+                d.update(ticks)
+
+    get_hook_stubs._ae_wrapped = True  # type: ignore[attr-defined]
+    _recursive.get_hook_stubs = get_hook_stubs
 
 
 class _RootTick:

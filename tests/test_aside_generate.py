@@ -164,6 +164,23 @@ def test_root_copied_or_pickled_while_aside(monkeypatch: pytest.MonkeyPatch, cac
     assert torch.equal(copied(x), want) and torch.equal(loaded(x), want)
 
 
+def test_root_scripted_while_aside(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
+                                   graph_backend: Any) -> None:
+    """torch.jit.script of a root while its tick hooks are on it: scripted as in eager (the
+    tick hooks are not scriptable and are left out), equal to eager; the original still ticks."""
+    _always_aside(monkeypatch)
+    model, x, want = _model_and_input()
+    with torch.no_grad():
+        with _aside_after_30_steps(model, x, cache_dir, graph_backend) as presence:
+            assert presence.aside and _module_hooks(model) == 2, _module_hooks(model)
+            scripted = torch.jit.script(model)
+            assert torch.equal(scripted(x), want)
+            before = presence.steps_aside
+            model(x)
+            assert presence.steps_aside == before + 1 and _module_hooks(model) == 2
+    assert torch.equal(scripted(x), want)
+
+
 def test_exception_in_the_root_while_aside(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
                                            graph_backend: Any) -> None:
     """The root's forward raises while aside: the user's exception comes out as it is, the
