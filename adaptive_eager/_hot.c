@@ -87,7 +87,10 @@ fset(PyObject *o, PyObject *name, Fast *f, PyObject *v)
 static void
 fast_init(Fast *f, PyObject *type, const char *name)
 {
+    PyTypeObject *old = f->t;
+    Py_INCREF(type); /* fget/fset compare against it: it must not be freed and reused */
     f->t = (PyTypeObject *)type;
+    Py_XDECREF(old);
     f->off = -1;
     PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, name); /* borrowed */
     if (d != NULL && Py_TYPE(d) == &PyMemberDescr_Type) {
@@ -121,13 +124,18 @@ typedef struct {
 } Ctx;
 
 /* An error while checking: not the fast case. AttributeError is an expected "no" (an object
- * without the engine's attributes); anything else is counted as a fault. */
-static void
+ * without the engine's attributes); any other Exception is counted as a fault. -1: not an
+ * Exception (KeyboardInterrupt, SystemExit): it stays set and propagates, as it would from
+ * the Python path (whose handler catches Exception only). */
+static int
 note_error(void)
 {
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
     if (!PyErr_ExceptionMatches(PyExc_AttributeError))
         n_fault++;
     PyErr_Clear();
+    return 0;
 }
 
 /* 1 true, 0 false, -1 error */
@@ -734,6 +742,10 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         while (PyDict_Next(kwargs, &pos, &name, &a)) {
             PyTypeObject *t = Py_TYPE(a);
             PyObject *k = NULL;
+            /* torch's kwargs have str keys (no Python code runs while we walk them); a dict
+             * that grows meanwhile must not write past the key tuple */
+            if (kn + 2 > 1 + nargs + 2 * nkw || !PyUnicode_CheckExact(name))
+                goto notfast_clean;
             Py_INCREF(name);
             PyTuple_SET_ITEM(key, kn++, name);
             if (is_tensor(a)) {
@@ -1038,7 +1050,9 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
         Py_DECREF(newrefs[q]);
     return out;
 
-failed: /* a change failed midway (out of memory): raise, as Engine.record would */
+failed: /* a change failed midway (out of memory): raise */
+    n_fault++;
+raise: /* also an error that is not an Exception (KeyboardInterrupt): the user's */
     {
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
@@ -1047,15 +1061,14 @@ failed: /* a change failed midway (out of memory): raise, as Engine.record would
         PyErr_Restore(et, ev, tb);
         busy_set = 0;
     }
-    n_fault++;
     goto cleanup;
 notfast_maybe_err:
-    if (PyErr_Occurred())
-        note_error();
+    if (PyErr_Occurred() && note_error() < 0)
+        goto raise;
     goto notfast_clean;
 notfast:
-    if (PyErr_Occurred())
-        note_error();
+    if (PyErr_Occurred() && note_error() < 0)
+        goto raise;
 notfast_clean:
     if (busy_set && eset(eng, ed, s_busy, Py_False) < 0)
         PyErr_Clear();
@@ -1089,7 +1102,7 @@ cleanup:
 
 /* dispatch(mode, func, types, args=(), kwargs=None): the mode's __torch_dispatch__ */
 static PyObject *
-hot_dispatch(PyObject *module, PyObject *const *av, Py_ssize_t nargsf, PyObject *kwnames)
+hot_dispatch(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     if (ready && kwnames == NULL && (n == 4 || n == 5)) {
@@ -1106,7 +1119,7 @@ hot_dispatch(PyObject *module, PyObject *const *av, Py_ssize_t nargsf, PyObject 
 }
 
 static PyObject *
-hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
+hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
 {
     if (n != 16) {
         PyErr_SetString(PyExc_TypeError,
@@ -1155,7 +1168,7 @@ hot_init(PyObject *module, PyObject *const *av, Py_ssize_t n)
 }
 
 static PyObject *
-hot_stats(PyObject *module, PyObject *unused)
+hot_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
     Fast *fs[] = {&f_ops, &f_ext_ids, &f_last, &f_scalars, &f_node, &f_n_slots, &f_refs, &f_children, &f_out, &f_policy, &f_view_arg, &f_bool_index, &f_structural, &f_scalar_pos, &f_scalar_kw, &f_writes, &f_wrapper_args, &f_bits, &f_ops_intercepted, &f_ops_deferred};
     Py_ssize_t direct = 0;
@@ -1166,7 +1179,7 @@ hot_stats(PyObject *module, PyObject *unused)
 }
 
 static PyObject *
-hot_reset_stats(PyObject *module, PyObject *unused)
+hot_reset_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
     n_fast = n_slow = n_fault = 0;
     Py_RETURN_NONE;

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import gc
 import shutil
+import subprocess
 import sys
 import sysconfig
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -376,3 +378,67 @@ def test_an_error_while_checking_falls_back_to_the_python_path() -> None:
         want = to_plain(w)
     assert torch.equal(got, want)
     assert torch.equal(got, torch.add(x, y).mul(2))
+
+
+@needs_hot
+def test_an_interrupt_while_checking_propagates_as_on_the_python_path() -> None:
+    """KeyboardInterrupt/SystemExit met inside the C checks is the user's: it propagates (the
+    Python handler catches Exception only), it is not cleared and the op re-run."""
+    x, y = torch.randn(6), torch.randn(6)
+
+    class Interrupting:
+        def __init__(self, real): self.real, self.calls = real, 0
+
+        @property
+        def engine(self):
+            self.calls += 1
+            raise KeyboardInterrupt("ctrl-c")
+
+    with ae.adaptive_eager(backend="replay", step_aside=False):
+        for _ in range(2):
+            torch.add(x, y).mul(2)
+            ae.sync()
+        z = torch.add(x, y)
+        real = torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1)
+        for handler in (_hot.dispatch, mode.DeferMode.__dict__["__torch_dispatch__"]):
+            m = Interrupting(real)
+            with torch._C._DisableTorchDispatch(), pytest.raises(KeyboardInterrupt):
+                handler(m, aten.mul.Tensor, (LazyTensor,), (z, 2), {})
+            assert m.calls == 1
+
+
+@needs_hot
+def test_a_kwargs_dict_that_grows_while_walked_does_not_overrun_the_key() -> None:
+    """Python code run by a key's __eq__ adds entries to kwargs while C walks it: C must stop
+    (it wrote past the key tuple: a segfault or heap corruption). In a subprocess: a crash."""
+    code = textwrap.dedent('''
+        import torch, adaptive_eager as ae
+        from adaptive_eager.dispatch.lazy import LazyTensor
+        aten = torch.ops.aten
+        x, y = torch.randn(6), torch.randn(6)
+        kw = {}
+        class Evil:
+            fired = False
+            def __hash__(self): return hash("alpha")
+            def __eq__(self, other):
+                if not Evil.fired:
+                    Evil.fired = True
+                    for i in range(200):
+                        kw[f"k{i}"] = i
+                return False
+        with ae.adaptive_eager(backend="replay", step_aside=False, disk_cache=False):
+            for _ in range(3):
+                torch.add(torch.add(x, y), y, alpha=2); ae.sync()
+            z = torch.add(x, y)
+            m = torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1)
+            kw[Evil()] = 1
+            with torch._C._DisableTorchDispatch():
+                try:
+                    m.__torch_dispatch__(aten.add.Tensor, (LazyTensor,), (z, y), kw)
+                except TypeError:
+                    pass  # the Python path's answer to a non-str keyword
+            import gc; gc.collect()
+        print("ok")
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])

@@ -153,9 +153,16 @@ if _hot is not None:
     from adaptive_eager.dispatch.opspec import OpSpec
     from adaptive_eager.trace import Trace
 
-    _hot.init(LazyTensor, _T, torch.nn.Parameter, Meta, SLOTS, _T._make_wrapper_subclass,
-              _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER, DeferMode.__dict__["__torch_dispatch__"],
-              Trace, TrieNode, OpSpec, Engine)
+    try:
+        _hot.init(LazyTensor, _T, torch.nn.Parameter, Meta, SLOTS, _T._make_wrapper_subclass,
+                  _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER,
+                  DeferMode.__dict__["__torch_dispatch__"], Trace, TrieNode, OpSpec, Engine)
+    except Exception as err:  # an extension built from other sources: the Python path runs
+        import logging
+
+        logging.getLogger("adaptive_eager").warning(
+            "adaptive_eager: the C accelerator did not start (%s); recording in Python", err)
+        _hot = None
 
 
 def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:
