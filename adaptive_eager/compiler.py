@@ -637,9 +637,11 @@ class CompileManager:
             # Trusted only between sizes that agreed: the program assumes what held while it
             # compiled (a slice end within its buffer: s <= n), and such assumptions are
             # bounds on s, which hold between two sizes where they held; a size beyond the
-            # agreed range is checked like the first ones (a growing KV cache: every token)
+            # agreed range is checked like the first ones (a growing KV cache: every token),
+            # and so is every new size once one disagreed (it may sit between good ones)
             agreed = [k for k, v in sizes.items() if v]
-            if len(agreed) >= SYM_CHECKED_SIZES and min(agreed) <= st.s <= max(agreed):
+            if (len(agreed) >= SYM_CHECKED_SIZES and len(agreed) == len(sizes)
+                    and min(agreed) <= st.s <= max(agreed)):
                 return prog
             return _CheckedSize(self, entry, trace, prog, st.s, sizes)
         return prog if ok else None
