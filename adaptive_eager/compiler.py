@@ -409,9 +409,8 @@ class _CheckedSize:
     the program runs on copies of the inputs, the trace op by op on the real ones, and the
     op-by-op values are returned; agreement within the fused tolerance lets later runs at this
     size run fused (and, once SYM_CHECKED_SIZES sizes agreed, new sizes between the smallest and
-    the largest agreed size run unchecked). A
-    raise or a difference is counted; that size stays op by op, and a trace with two bad
-    sizes is quarantined."""
+    the largest agreed size run unchecked). A raise or a difference is counted; that size stays
+    op by op, and a trace with two bad sizes is quarantined."""
 
     def __init__(self, mgr: CompileManager, entry: TraceEntry, trace: Trace, prog: Any, s: int,
                  sizes: dict[int, bool]) -> None:
