@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.aside_check:
         cache = args.cache_dir or tempfile.mkdtemp(prefix="ae-aside-")
+        os.makedirs(cache, mode=0o700, exist_ok=True)
         os.chmod(cache, 0o700)
         return aside_check(args, cache)
 
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     _steps(bench, 2, lambda: None)
     eager = _steps(bench, args.steps, lambda: None)
     cache = args.cache_dir or tempfile.mkdtemp(prefix="ae-profile-")
+    os.makedirs(cache, mode=0o700, exist_ok=True)  # a --cache-dir not made yet
     os.chmod(cache, 0o700)
     with ae.adaptive_eager(backend=args.backend, compile_async=False, step_aside=False,
                            cache_dir=cache):
