@@ -95,8 +95,10 @@ MEASURE_RUNS = 3  # timed fused runs before deciding
 MIN_OPS = 2  # a one-op trace has nothing to fuse
 MIN_OBSERVED = 2  # runs whose Python numbers were compared before a trace compiles
 MAX_REBAKES = 2  # recompiles of one trace because a baked-in number changed
-SYM_CHECKED_SIZES = 3  # sizes a symbolic program must agree at (per process) before it runs
-# unchecked at new sizes between them, as a static program does (Note [symbolic programs])
+SYM_CHECKED_SIZES = 3  # sizes a symbolic program must agree at before a new size whose
+# guards hold runs unchecked, as a static program does (Note [trusting a size])
+SYM_SIZES_KEPT = 256  # checked sizes kept per program in its statistics (Note [verified sizes])
+SYM_GUARD_MEMO = 4096  # sizes whose guard verdict is remembered per program
 PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
 PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
@@ -404,18 +406,180 @@ def _script_id() -> str:
         return ""
 
 
+# Note [trusting a size]
+# A dynamic-size program (Note [symbolic programs] in graph.py) runs a size s unchecked, as a
+# static program runs, only when both hold:
+# - its own shape guards hold at s (Note [program shape guards] in backends/inductor.py: what
+#   Inductor assumed, such as two inputs' lengths being equal, s >= 2, or s <= 4096 where the
+#   CPU sum kernel skipped its chunked accumulator), evaluated on this run's program inputs by
+#   ShapeGuards, once per s (the inputs' metadata is a function of s on a template: the
+#   verdict is memoized per s); and
+# - SYM_CHECKED_SIZES sizes agreed with op-by-op replay (_CheckedSize) and none disagreed: the
+#   guards say where the program applies, the checks that it computes what the trace does
+#   (a wrong lowering is caught at the first sizes, before anything runs unchecked).
+# A size whose guards fail never runs the program, not even on copies (it may read past a
+# buffer): it runs op by op, the static path of a template entry, and is counted in
+# ``sym_guard_refused``; the program stays trusted for other sizes. Guards that cannot be read
+# or evaluated (a program from before guards, a node the interpreter does not know, a corrupt
+# block) trust no size by guards: every new size is checked as the first ones are, and this is
+# counted in ``sym_guards_unknown``. A size that raised or differed stays op by op, and two
+# such sizes quarantine the trace. Earlier versions trusted only sizes between the smallest and
+# the largest agreed size, so a growing KV cache was checked at every new length.
+#
+# Note [verified sizes]
+# Checked sizes are facts about one program: they are stored in the trace's statistics with
+# the program's key (``sym_sizes``: agreed and bad sizes, at most SYM_SIZES_KEPT each, merged
+# with what other processes stored) and read back when that same program is loaded from the
+# disk cache, so a later process needs no new checks for them (a different program, say after
+# a recompile, starts over). The values are verified data like every cache value: ints only,
+# anything else ignored and counted in ``disk_errors``.
+class _SymSizes:
+    """Per symbolic program: sizes checked against replay, and the guard verdict per size."""
+
+    __slots__ = ("checked", "fits", "guards", "key", "trusted", "prog")
+
+    def __init__(self, prog: Any = None) -> None:
+        self.prog = prog  # the program these verdicts are about (a recompile starts over)
+        self.checked: dict[int, bool] = {}  # s -> agreed with op-by-op replay?
+        self.trusted: set[int] = set()  # sizes run unchecked (by the guards)
+        self.fits: dict[int, bool | None] = {}  # s -> guards hold (None: cannot say)
+        self.guards: Any = _UNREAD  # ShapeGuards, or None (unknown)
+        self.key: str | None = None  # the program these facts are about
+
+
+_UNREAD = object()
+
+
+class ShapeGuards:
+    """A program's shape guards, decoded from data and evaluated with integer arithmetic
+    (Note [program shape guards] in backends/inductor.py). Decoding validates every node
+    against a fixed table and raises ValueError on anything else; nothing is executed."""
+
+    __slots__ = ("locs", "exprs")
+    _NARY = frozenset(("+", "*", "min", "max", "and", "or"))
+    _BINARY = frozenset(("//", "%", "cdiv", "pow", "==", "!=", "<", "<=", ">", ">="))
+    _MAX_NODES = 20000
+
+    def __init__(self, locs: list[tuple], exprs: list[Any]) -> None:
+        self.locs, self.exprs = locs, exprs
+
+    @classmethod
+    def decode(cls, data: Any) -> ShapeGuards:
+        if type(data) is not dict or data.get("v") != 1:
+            raise ValueError("guards of another format")
+        if "unknown" in data:
+            raise ValueError(f"unknown guards: {str(data['unknown'])[:200]}")
+        syms, guards = data.get("syms"), data.get("guards")
+        if type(syms) is not list or type(guards) is not list:
+            raise ValueError("malformed guards")
+        locs = []
+        for loc in syms:
+            if (type(loc) is list and len(loc) == 3 and loc[0] in ("size", "stride")
+                    and all(type(x) is int and x >= 0 for x in loc[1:])):
+                locs.append((loc[0], loc[1], loc[2]))
+            elif (type(loc) is list and len(loc) == 2 and loc[0] == "offset"
+                  and type(loc[1]) is int and loc[1] >= 0):
+                locs.append(("offset", loc[1], 0))
+            else:
+                raise ValueError(f"bad symbol location {str(loc)[:80]}")
+        budget = [cls._MAX_NODES]
+        return cls(locs, [cls._node(g, len(locs), 0, budget) for g in guards])
+
+    @classmethod
+    def _node(cls, n: Any, n_syms: int, depth: int, budget: list[int]) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 64:
+            raise ValueError("guards too large")
+        t = type(n)
+        if t is int or t is bool:
+            return n
+        if t is not list or not n or type(n[0]) is not str:
+            raise ValueError(f"bad guard node {str(n)[:80]}")
+        op, args = n[0], n[1:]
+        if op == "v":
+            if len(args) != 1 or type(args[0]) is not int or not 0 <= args[0] < n_syms:
+                raise ValueError("bad symbol reference")
+            return ("v", args[0])
+        if op == "not":
+            if len(args) != 1:
+                raise ValueError("bad not")
+        elif op in cls._BINARY:
+            if len(args) != 2:
+                raise ValueError(f"{op} needs two operands")
+        elif op not in cls._NARY or not args:
+            raise ValueError(f"unknown guard operator {op[:20]!r}")
+        return (op, *(cls._node(a, n_syms, depth + 1, budget) for a in args))
+
+    def holds(self, inputs: list[Any]) -> bool:
+        """Whether every guard holds for these program inputs; ValueError: cannot say."""
+        vals = []
+        for kind, i, d in self.locs:
+            t = inputs[i] if i < len(inputs) else None
+            if not isinstance(t, torch.Tensor) or (kind != "offset" and d >= t.dim()):
+                raise ValueError("a guard names an input the program does not have")
+            vals.append(t.size(d) if kind == "size" else t.stride(d) if kind == "stride"
+                        else t.storage_offset())
+        for g in self.exprs:
+            v = _ev(g, vals)
+            if type(v) is not bool:
+                raise ValueError("a guard that is not a relation")
+            if not v:
+                return False
+        return True
+
+
+def _ev(n: Any, vals: list[int]) -> int | bool:
+    """Evaluate a decoded guard node (ShapeGuards._node's tuples): ints and bools only."""
+    t = type(n)
+    if t is int or t is bool:
+        return n
+    op = n[0]
+    if op == "v":
+        return vals[n[1]]
+    a = [_ev(x, vals) for x in n[1:]]
+    if op in ("and", "or", "not"):
+        if any(type(x) is not bool for x in a):
+            raise ValueError("logic on numbers")
+        return all(a) if op == "and" else any(a) if op == "or" else not a[0]
+    if any(type(x) is not int for x in a):
+        raise ValueError("arithmetic on truth values")
+    if op == "+":
+        return sum(a)
+    if op == "*":
+        r = 1
+        for x in a:
+            r *= x
+        return r
+    if op == "min":
+        return min(a)
+    if op == "max":
+        return max(a)
+    x, y = a
+    if op in ("//", "%", "cdiv"):
+        if y == 0:
+            raise ValueError("division by zero in a guard")
+        return x // y if op == "//" else x % y if op == "%" else -(-x // y)
+    if op == "pow":
+        if not 0 <= y <= 64 or abs(x) > 1 << 64:
+            raise ValueError("power out of range")
+        return x ** y
+    return (x == y if op == "==" else x != y if op == "!=" else x < y if op == "<"
+            else x <= y if op == "<=" else x > y if op == ">" else x >= y)
+
+
 class _CheckedSize:
-    """A symbolic program's first fused run at one size (Note [symbolic programs] in graph.py):
-    the program runs on copies of the inputs, the trace op by op on the real ones, and the
-    op-by-op values are returned; agreement within the fused tolerance lets later runs at this
-    size run fused (and, once SYM_CHECKED_SIZES sizes agreed, new sizes between the smallest and
-    the largest agreed size run unchecked). A raise or a difference is counted; that size stays
-    op by op, and a trace with two bad sizes is quarantined."""
+    """A symbolic program's first fused run at one size (Note [trusting a size]): the program
+    runs on copies of the inputs, the trace op by op on the real ones, and the op-by-op values
+    are returned; agreement within the fused tolerance lets later runs at this size run fused
+    (and, once SYM_CHECKED_SIZES sizes agreed, new sizes whose guards hold run unchecked). A
+    raise or a difference is counted; that size stays op by op, and a trace with two bad sizes
+    is quarantined. The verdict is stored with the program (Note [verified sizes])."""
 
     def __init__(self, mgr: CompileManager, entry: TraceEntry, trace: Trace, prog: Any, s: int,
-                 sizes: dict[int, bool]) -> None:
-        self.mgr, self.entry, self.trace, self.prog, self.s, self.sizes = (
-            mgr, entry, trace, prog, s, sizes)
+                 rec: _SymSizes) -> None:
+        self.mgr, self.entry, self.trace, self.prog, self.s, self.rec = (
+            mgr, entry, trace, prog, s, rec)
+        self.sizes = rec.checked
 
     def __call__(self, *inputs: Any) -> list[Any]:
         from adaptive_eager.execute import replay
@@ -442,10 +606,12 @@ class _CheckedSize:
             M.sym_checked += 1
         else:
             M.sym_program_fallbacks += 1
+            self.rec.trusted.clear()  # no size runs unchecked once one disagreed
             log.warning("adaptive_eager: the dynamic-size program of trace %s at s=%d: %s; "
                         "that size runs op by op", self.entry.digest[:12], self.s, why)
             if sum(1 for v in self.sizes.values() if not v) >= 2:
                 self.mgr.quarantine(self.entry, f"dynamic-size program wrong at two sizes ({why})")
+        self.mgr._store_sizes(self.entry)
         return [env[s] for s in g.live]
 
 
@@ -477,7 +643,7 @@ class CompileManager:
         self.backend: Backend = get_backend(options.backend)
         self.disk: DiskCache | None = None
         self._logged: set[str] = set()
-        self._sym_sizes: dict[str, dict[int, bool]] = {}  # symbolic trace -> s -> run fused?
+        self._sym_sizes: dict[str, _SymSizes] = {}  # symbolic trace -> its sizes' verdicts
         self._untimed: TraceEntry | None = None  # a checked run: not the program's time
         self.decided: list[TraceEntry] = []
         self.flushes = 0
@@ -624,26 +790,127 @@ class CompileManager:
         return self._program_for(entry, trace, live)
 
     def _symbolic_program(self, entry: TraceEntry, trace: Trace, prog: Any) -> Any:
-        """Note [symbolic programs] (graph.py): the program for this size, checked against
-        op-by-op replay on the size's first fused run; None (op by op) for a size that failed."""
+        """Note [trusting a size]: the program for this size, unchecked when enough sizes
+        agreed and its guards hold here; a _CheckedSize run beside op-by-op replay while not;
+        None (op by op) for a size whose guards fail or whose check failed."""
         st = trace.sym
         g = entry.graph
         if st is None or st.tpl is not entry.sym or st.s < 2 or g is None or not g.dynamic:
             return None
-        sizes = self._sym_sizes.setdefault(entry.digest, {})
-        ok = sizes.get(st.s)
-        if ok is None:
-            # Trusted only between sizes that agreed: the program assumes what held while it
-            # compiled (a slice end within its buffer: s <= n), and such assumptions are
-            # bounds on s, which hold between two sizes where they held; a size beyond the
-            # agreed range is checked like the first ones (a growing KV cache: every token),
-            # and so is every new size once one disagreed (it may sit between good ones)
-            agreed = [k for k, v in sizes.items() if v]
-            if (len(agreed) >= SYM_CHECKED_SIZES and len(agreed) == len(sizes)
-                    and min(agreed) <= st.s <= max(agreed)):
-                return prog
-            return _CheckedSize(self, entry, trace, prog, st.s, sizes)
-        return prog if ok else None
+        s = st.s
+        rec = self._sym_sizes.get(entry.digest)
+        if rec is None or rec.prog is not prog:
+            rec = self._sym_sizes[entry.digest] = _SymSizes(prog)
+        elif s in rec.trusted:
+            return prog
+        fits = rec.fits.get(s, _UNREAD)
+        if fits is _UNREAD:
+            fits = self._guards_hold(entry, rec, trace, prog, g, s)
+            if fits is _UNREAD:
+                return None  # aliased inputs moved: this run goes op by op (as run_fused)
+        if fits is False:
+            return None
+        checked = rec.checked
+        ok = checked.get(s)
+        if ok is not None:
+            return prog if ok else None
+        if fits is True and len(checked) >= SYM_CHECKED_SIZES and all(checked.values()):
+            M.sym_trusted += 1
+            if len(rec.trusted) >= SYM_GUARD_MEMO:
+                rec.trusted.clear()
+            rec.trusted.add(s)
+            return prog
+        return _CheckedSize(self, entry, trace, prog, s, rec)
+
+    def _guards_hold(self, entry: TraceEntry, rec: _SymSizes, trace: Trace, prog: Any,
+                     g: graph_mod.TraceGraph, s: int) -> Any:
+        """The guard verdict at a new size (memoized in rec.fits): True, False (refused:
+        counted), None (cannot say: counted; the size is checked), or _UNREAD when this run's
+        inputs cannot be formed (the caller replays)."""
+        if rec.guards is _UNREAD:
+            data = getattr(prog, "ae_shape_guards", None)
+            try:
+                if data is None:
+                    raise ValueError("the program carries no shape guards")
+                rec.guards = ShapeGuards.decode(data)
+            except ValueError as err:
+                rec.guards = None
+                M.sym_guards_unknown += 1
+                log.info("adaptive_eager: trace %s: %s; every new size is checked against "
+                         "op-by-op replay", entry.digest[:12], err)
+        if rec.guards is None:
+            fits: bool | None = None
+        else:
+            from adaptive_eager.graph import ext_reals
+
+            inputs = g.inputs([t.detach() for t in ext_reals(trace)], trace.scalars)
+            if inputs is None:
+                return _UNREAD
+            try:
+                fits = rec.guards.holds(inputs)
+            except (ValueError, IndexError, TypeError, OverflowError) as err:
+                fits = None
+                M.sym_guards_unknown += 1
+                log.info("adaptive_eager: trace %s: its shape guards could not be evaluated at "
+                         "s=%d (%s); that size is checked", entry.digest[:12], s, err)
+            if fits is False:
+                M.sym_guard_refused += 1
+                log.info("adaptive_eager: trace %s: s=%d violates its program's shape guards; "
+                         "that size runs op by op", entry.digest[:12], s)
+        if len(rec.fits) >= SYM_GUARD_MEMO:
+            rec.fits.clear()
+        rec.fits[s] = fits
+        return fits
+
+    def _store_sizes(self, entry: TraceEntry) -> None:
+        """Note [verified sizes]: after a check, the sizes go to the trace's statistics."""
+        if self.disk is None or entry.graph is None or entry.in_process:
+            return
+        try:
+            self.save_stats(entry, program_key=self._program_key(entry, entry.graph))
+        except Exception as err:  # never fails the run: the sizes are checked again later
+            M.disk_errors += 1
+            log.info("adaptive_eager: storing checked sizes failed: %s", err)
+
+    def _sizes_record(self, entry: TraceEntry, key: str | None, old: Any) -> Any:
+        """The ``sym_sizes`` statistics field: this process's checked sizes for the program
+        ``key``, merged with the stored ones for the same program (Note [verified sizes])."""
+        rec = self._sym_sizes.get(entry.digest)
+        if rec is None or not rec.checked or key is None:
+            return old
+        agreed = {s for s, ok in rec.checked.items() if ok}
+        bad = {s for s, ok in rec.checked.items() if not ok}
+        if type(old) is dict and old.get("program") == key:
+            agreed |= {s for s in old.get("agreed", ()) if type(s) is int}
+            bad |= {s for s in old.get("bad", ()) if type(s) is int}
+        agreed -= bad
+        return {"program": key, "agreed": sorted(agreed)[:SYM_SIZES_KEPT],
+                "bad": sorted(bad)[:SYM_SIZES_KEPT]}
+
+    def _load_sizes(self, entry: TraceEntry, stats: dict, key: str, program: Any) -> None:
+        """Seed the checked sizes of a program loaded from disk (Note [verified sizes])."""
+        got = stats.get("sym_sizes")
+        if got is None:
+            return
+        try:
+            if type(got) is not dict or got.get("program") != key:
+                return  # sizes of another program of this trace (a recompile)
+            agreed, bad = got.get("agreed", []), got.get("bad", [])
+            if (type(agreed) is not list or type(bad) is not list
+                    or not all(type(x) is int and x >= 2 for x in agreed + bad)):
+                raise ValueError("checked sizes that are not sizes")
+        except ValueError as err:
+            M.disk_errors += 1
+            log.info("adaptive_eager: stored checked sizes of %s ignored: %s", entry.digest[:12],
+                     err)
+            return
+        rec = self._sym_sizes[entry.digest] = _SymSizes(program)
+        for x in agreed[:SYM_SIZES_KEPT]:
+            rec.checked.setdefault(x, True)
+        for x in bad[:SYM_SIZES_KEPT]:
+            rec.checked[x] = False
+        rec.key = key
+        M.sym_sizes_loaded += len(agreed[:SYM_SIZES_KEPT]) + len(bad[:SYM_SIZES_KEPT])
 
     def _program_for(self, entry: TraceEntry, trace: Trace, live: list[int]) -> Any:
         local = None
@@ -1148,6 +1415,11 @@ class CompileManager:
         transient = _transient(err)
         entry.decision = f"op-by-op: {stage} failed" + (" (transient)" if transient else "")
         kind = f"{stage}:{type(err).__name__}"
+        if entry.sym is not None:  # a template's program refused (Note [trusting a size])
+            if stage == "graph":
+                M.sym_unfusable += 1
+            elif "dynamic size became a constant" in str(err):
+                M.sym_specialized += 1  # Note [specializing kernels] in backends/inductor.py
         # A trace the graph builder declines (Unfusable: an LSTM kernel, a conj view) is a known
         # limit, not a fault: said at INFO (and in the report's decisions), not as a warning.
         level = logging.INFO if isinstance(err, graph_mod.Unfusable) else logging.WARNING
@@ -1162,10 +1434,13 @@ class CompileManager:
 
     # ---- disk ---------------------------------------------------------------------------------
     def _program_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
+        extra = {}
+        if g.dynamic:  # programs with their shape guards (Note [program shape guards]): one
+            extra["guards"] = 1  # stored before them is not loaded, it compiles again once
         return cache_key(trace=entry.digest, live=g.live, lifted=g.lifted, offsets=g.offsets,
                          baked=tuple(zip(g.baked, g.baked_values)), torch=torch.__version__,
                          engine=ENGINE_VERSION, backend=self.backend.options_key(),
-                         flags=_flags())
+                         flags=_flags(), **extra)
 
     def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
                seconds: float, data: bytes | None = None, stored: bool = False) -> None:
@@ -1264,6 +1539,8 @@ class CompileManager:
                           else "loaded from the disk cache, not measured yet")
         entry.from_bytes = True
         entry.program = program
+        if entry.sym is not None:  # Note [verified sizes]
+            self._load_sizes(entry, stats, key, program)
         entry.compile_s = 0.0
         entry.state = entry.loaded_state = "measuring"  # measured again: this process differs
         return True
@@ -1337,6 +1614,8 @@ class CompileManager:
             "runs": entry.runs, "error": entry.error, "in_process": entry.in_process,
             "failure": failure, "samples": samples,
             "program_key": program_key or old.get("program_key"),
+            "sym_sizes": self._sizes_record(entry, program_key or old.get("program_key"),
+                                            old.get("sym_sizes")),  # Note [verified sizes]
             "script": _script_id() or old.get("script", ""), "used_at": round(time.time(), 1),
         })
 

@@ -18,7 +18,9 @@ class Metrics:
         "compile_load_seconds", "compile_wait_seconds", "prefetched", "program_waits",
         "service_pending", "sym_learned", "sym_loaded", "sym_ops", "sym_hits", "sym_verified",
         "sym_guard_fallbacks", "sym_left", "sym_mispredicted", "sym_dims",
-        "sym_programs", "sym_checked", "sym_program_fallbacks",
+        "sym_programs", "sym_checked", "sym_program_fallbacks", "sym_trusted",
+        "sym_guard_refused", "sym_guards_unknown", "sym_sizes_loaded", "sym_specialized",
+        "sym_unfusable",
     )
 
     def __init__(self) -> None:
@@ -79,6 +81,14 @@ class Metrics:
         self.sym_programs = 0  # dynamic-size programs compiled for symbolic traces
         self.sym_checked = 0  # sizes whose first fused run agreed with op-by-op replay
         self.sym_program_fallbacks = 0  # symbolic fused runs replayed instead (raise, mismatch)
+        # Note [program shape guards] in backends/inductor.py, Note [symbolic programs]
+        self.sym_trusted = 0  # new sizes run unchecked: enough sizes agreed, the guards hold
+        self.sym_guard_refused = 0  # sizes the program's own guards refused (run op by op)
+        self.sym_guards_unknown = 0  # programs (or sizes) whose guards could not be read:
+        # every new size checked against replay instead
+        self.sym_sizes_loaded = 0  # sizes checked by an earlier process, read from disk
+        self.sym_specialized = 0  # template programs refused: a dynamic size became a constant
+        self.sym_unfusable = 0  # template traces the graph builder refused (Unfusable)
         self.program_waits: dict[str, float] = {}  # trace -> seconds until its program was ready
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()

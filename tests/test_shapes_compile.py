@@ -1,9 +1,9 @@
 """Dynamic-size programs for symbolic traces (issue 15 stage 2, Note [symbolic programs] in
 adaptive_eager/graph.py): a hot template trace compiles once into one Inductor program that
 serves every value of s; the first fused run at each new size is checked against op-by-op
-replay until SYM_CHECKED_SIZES sizes agreed, then new sizes between those run the program
-directly (sizes outside them are checked). The
-program is loaded from the disk cache by a later process.
+replay until SYM_CHECKED_SIZES sizes agreed, then a new size runs the program directly if the
+program's shape guards hold at it, and op by op if not (Note [trusting a size] in compiler.py).
+The program is loaded from the disk cache by a later process.
 
 Eager runs first on the same inputs; fused results are compared within the tolerance the
 crosscheck uses (adaptive_eager.fused._TOL), op-by-op ones bitwise.
@@ -25,6 +25,9 @@ from adaptive_eager.compiler import SYM_CHECKED_SIZES
 
 LEARN = [5, 7, 9, 11, 13, 6, 8, 10]  # enough sizes for a template, then hot
 NEW = [20, 33, 17, 20, 33, 17, 40, 40, 20, 33, 17, 27, 45]  # never seen while learning
+# Inductor's CPU sum over T skips its chunked accumulator only while T <= 4096
+# (cpp.py need_use_acc_helper): the program's guard; 5000 violates it
+BEYOND = 5000
 RTOL, ATOL = 1.3e-4, 1e-4  # fused float32 tolerance (fused._TOL)
 
 
@@ -47,16 +50,18 @@ def _inputs(sizes: list[int]) -> list[torch.Tensor]:
 
 def _keys(m: dict) -> dict:
     return {k: m[k] for k in ("compiles", "compiled_runs", "sym_programs", "sym_checked",
-                              "sym_program_fallbacks", "compile_errors", "fused_errors")}
+                              "sym_program_fallbacks", "compile_errors", "fused_errors",
+                              "sym_trusted", "sym_guard_refused", "sym_guards_unknown")}
 
 
 def test_one_program_serves_every_size() -> None:
     ln = _model()
-    xs = _inputs(LEARN + NEW + [1])
+    xs = _inputs(LEARN + NEW + [BEYOND, BEYOND, 1])
     with torch.no_grad():
         want = [_block(ln, x) for x in xs]
     steps = []
-    with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=True), torch.no_grad():
+    with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=True,
+                           step_aside=False), torch.no_grad():  # every run under the engine
         for x in xs:
             y = _block(ln, x)
             ae.sync()
@@ -67,7 +72,8 @@ def test_one_program_serves_every_size() -> None:
     final = steps[-1][1]
     assert final["compiles"] == 1 and final["sym_programs"] == 1  # one program, every size
     assert final["compile_errors"] == 0 and final["fused_errors"] == 0
-    assert final["sym_program_fallbacks"] == 0
+    assert final["sym_program_fallbacks"] == 0 and final["sym_guards_unknown"] == 0
+    assert final["sym_guard_refused"] == 1  # BEYOND, counted once (the verdict is memoized)
     unchecked = 0  # fused runs of the program itself at a size checked before
     trusted = 0  # fused runs at a new size once SYM_CHECKED_SIZES sizes agreed
     agreed = [xs[i].shape[1] for i in range(1, len(LEARN))  # sizes checked while learning
@@ -78,22 +84,30 @@ def test_one_program_serves_every_size() -> None:
         if T == 1:  # s in {0, 1} never reaches a template: op by op, eager's bits
             assert m["compiled_runs"] == prev["compiled_runs"]
             assert torch.equal(y, want[i])
+        elif T == BEYOND:  # the program's guard fails: op by op, never the program
+            assert m["compiled_runs"] == prev["compiled_runs"], (T, m, prev)
+            assert m["sym_checked"] == prev["sym_checked"] and m["sym_trusted"] == prev[
+                "sym_trusted"]
+            assert torch.equal(y, want[i])
         elif T in agreed:  # a checked size: the program's result (or a paired op-by-op run)
             assert m["sym_checked"] == prev["sym_checked"]
             unchecked += m["compiled_runs"] - prev["compiled_runs"]
             torch.testing.assert_close(y, want[i], rtol=RTOL, atol=ATOL)
-        elif len(agreed) < SYM_CHECKED_SIZES or not min(agreed) <= T <= max(agreed):
-            # before enough sizes agreed, or outside the agreed range: checked (replay's values
-            # returned) or op by op (a size's first run), never the program unchecked
+        elif len(agreed) < SYM_CHECKED_SIZES:
+            # before enough sizes agreed: checked (replay's values returned) or op by op (a
+            # size's first run), never the program unchecked
             assert torch.equal(y, want[i])
+            assert m["sym_trusted"] == prev["sym_trusted"]
             if m["sym_checked"] > prev["sym_checked"]:
                 agreed.append(T)
-        else:  # between sizes that agreed: a new size runs the program unchecked
+        else:  # enough agreed and the guards hold: a new size runs the program unchecked,
+            # also beyond the largest agreed size (no range rule any more)
             assert m["sym_checked"] == prev["sym_checked"]  # (or a paired op-by-op run)
             trusted += m["compiled_runs"] - prev["compiled_runs"]
             torch.testing.assert_close(y, want[i], rtol=RTOL, atol=ATOL)
         prev = m
-    assert unchecked >= 2 and trusted >= 1 and 40 in agreed and 45 not in agreed
+    assert unchecked >= 2 and trusted >= 2 and final["sym_trusted"] >= 2, steps[-1]
+    assert 40 not in agreed and 45 not in agreed and len(agreed) == SYM_CHECKED_SIZES, agreed
 
 
 def test_option_off_runs_op_by_op() -> None:
@@ -160,14 +174,16 @@ def _run_loss(ln: torch.nn.Module, data: list) -> tuple[list[torch.Tensor], dict
             got.append(_loss(ln, x, lab))
             ae.sync()
         m = ae.metrics()
-    return got, {**_keys(m), "disk_hits": m["disk_hits"], "sym_loaded": m["sym_loaded"]}
+    return got, {**_keys(m), "disk_hits": m["disk_hits"], "sym_loaded": m["sym_loaded"],
+                 "sym_sizes_loaded": m["sym_sizes_loaded"]}
 
 
 def test_padded_labels_stay_dynamic_and_load_from_disk() -> None:
     """constant_pad_nd's fake kernel reads sizes as ints (Note [specializing kernels] in
     backends/inductor.py): the program must still be dynamic and serve every size. Then, with
     every in-memory cache dropped (as a new process starts), the template and the program
-    come from the disk cache: nothing compiles, sizes never seen run fused."""
+    come from the disk cache: nothing compiles, and the sizes checked before come with the
+    program (Note [verified sizes]), so sizes never seen run fused with no new check."""
     ln = _model()
     g = torch.Generator().manual_seed(3)
     sizes = LEARN + [12, 14, 15] + [20, 33, 20, 33, 17]  # two traces per size to learn
@@ -184,7 +200,8 @@ def test_padded_labels_stay_dynamic_and_load_from_disk() -> None:
     ae.reset_metrics()
     got2, m = _run_loss(ln, data[len(sizes):])
     assert m["sym_loaded"] >= 1 and m["compiles"] == 0 and m["disk_hits"] >= 1, m
-    assert m["compiled_runs"] >= 4 and m["sym_checked"] >= 2, m
+    assert m["compiled_runs"] >= 4 and m["sym_checked"] == 0, m
+    assert m["sym_sizes_loaded"] >= SYM_CHECKED_SIZES and m["sym_trusted"] >= 2, m
     assert m["sym_program_fallbacks"] == 0 and m["fused_errors"] == 0, m
     for a, e in zip(got + got2, want):
         torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
@@ -213,15 +230,17 @@ _CHILD = textwrap.dedent("""
     close = all(torch.allclose(a, b, rtol=%r, atol=%r) for a, b in zip(got, want))
     print(json.dumps({k: m[k] for k in ("compiles", "sym_programs", "disk_hits", "compiled_runs",
                                         "sym_checked", "sym_loaded", "compile_errors",
-                                        "fused_errors", "sym_program_fallbacks")}
+                                        "fused_errors", "sym_program_fallbacks",
+                                        "sym_sizes_loaded", "sym_trusted")}
                      | {"close": close}))
 """ % (RTOL, ATOL))
 
 
 @pytest.mark.slow  # two processes and a compile: about 90 s on the shared machine
 def test_symbolic_program_loads_from_disk_in_a_later_process(cache_dir) -> None:
-    """A warm process finds the template and its dynamic-size program on disk: it compiles
-    nothing and runs fused at sizes the first process never saw."""
+    """A warm process finds the template, its dynamic-size program and the sizes the first
+    process checked on disk: it compiles nothing, checks nothing again, and runs fused at sizes
+    the first process never saw."""
     env = dict(os.environ, ADAPTIVE_EAGER_CACHE_DIR=str(cache_dir))
 
     def child(*sizes: int) -> dict:
@@ -235,7 +254,9 @@ def test_symbolic_program_loads_from_disk_in_a_later_process(cache_dir) -> None:
     second = child(17, 40, 17, 40, 26, 26)
     assert second["sym_loaded"] >= 1 and second["compiles"] == 0, second
     assert second["disk_hits"] >= 1 and second["compiled_runs"] >= 4, second
-    assert second["sym_checked"] >= 2 and second["sym_program_fallbacks"] == 0, second
+    assert first["sym_checked"] >= SYM_CHECKED_SIZES, first
+    assert second["sym_checked"] == 0 and second["sym_program_fallbacks"] == 0, second
+    assert second["sym_sizes_loaded"] >= SYM_CHECKED_SIZES and second["sym_trusted"] >= 2, second
     assert second["compile_errors"] == 0 and second["fused_errors"] == 0, second
     assert first["close"] and second["close"], (first, second)
 

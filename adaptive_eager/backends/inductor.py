@@ -59,6 +59,7 @@ class InductorBackend:
                 program = torch._inductor.standalone_compile(
                     graph.gm, fakes, dynamic_shapes="from_graph", options=self.options, aot=True)
                 _not_specialized(fakes, "compiling")
+                program.ae_shape_guards = shape_guards(fakes)  # Note [program shape guards]
             else:
                 program = torch._inductor.standalone_compile(
                     graph.gm, _detached(graph.example_inputs),
@@ -78,7 +79,8 @@ class InductorBackend:
         use_kernel_dir(choose_kernel_dir(cache_dir))
 
     def serialize(self, program: Any) -> bytes:
-        return _build_key() + program.serialize()
+        return _build_key() + pack_guards(getattr(program, "ae_shape_guards", None)) + \
+            program.serialize()
 
     def load(self, data: bytes, graph: Any) -> Any:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
@@ -87,7 +89,10 @@ class InductorBackend:
         key = _build_key()
         if not data.startswith(key):
             raise ValueError("artifact was compiled by another torch build")
-        return AOTCompiledArtifact.deserialize(data[len(key):])
+        guards, rest = unpack_guards(memoryview(data)[len(key):])
+        program = AOTCompiledArtifact.deserialize(bytes(rest))
+        program.ae_shape_guards = guards
+        return program
 
 
 def _fake_dynamic(graph: Any) -> list[Any]:
@@ -188,6 +193,159 @@ def _not_specialized(fakes: list[Any], stage: str) -> None:
                 if getattr(f, "fake_mode", None) is not None), None)
     if env is not None:
         _not_specialized_env(env, stage)
+
+
+# Note [program shape guards]
+# A dynamic-size program is correct only for sizes that satisfy what the compile assumed about
+# them. Inductor records every such assumption as a guard in the ShapeEnv of the fakes it
+# compiled (``ShapeEnv.guards``: for GPT-2-like graphs ``Eq(s0, s1)`` from broadcasting two
+# inputs that follow s, and ``s0 <= 4096`` from the CPU codegen choosing a sum kernel without
+# its chunked accumulator, ``need_use_acc_helper``), plus the value range of each symbol
+# (``var_to_range``: sizes are assumed >= 2, the 0/1 specialization) and the symbols it unified
+# (``replacements``). The AOT artifact checks none of them when called (its bundled callable
+# has no guards; Dynamo's would be the caller's), so the engine must. ``shape_guards`` turns
+# them, right after the compile and in the process that compiled, into data: each symbol is
+# located as (size | stride | offset, input, dim) of the program's inputs, and each guard is a
+# small tree of ints, symbol references and the operators + * // % cdiv pow min max, the
+# relations == != < <= > >= and and/or/not. Anything else (a rational coefficient, an
+# unbacked symbol from ``aten.item``, a float function) makes the whole set ``unknown``, which
+# the engine treats as "no size may be trusted by guards" (it checks each size against replay,
+# as before guards existed). The set travels inside the serialized program (``pack_guards``:
+# a tagged, length-prefixed JSON block after the build key; torch's pickle follows), so the
+# helper process, the compile service, the disk cache and the remote store carry it without
+# change, under the disk cache's HMAC. Nothing in it is executed: the engine decodes it with a
+# fixed table of operators and evaluates it with plain integer arithmetic
+# (compiler.ShapeGuards), never through sympy (sympify evaluates strings) or eval. A program
+# serialized before this (no block) loads with guards None, treated as unknown.
+_GUARDS_TAG = b"AEG1"
+_REL = ("==", "!=", "<", "<=", ">", ">=")
+
+
+class _Unknown(Exception):
+    pass
+
+
+def shape_guards(fakes: list[Any]) -> dict[str, Any]:
+    """The compile's assumptions on the inputs' sizes, as data (Note [program shape guards])."""
+    try:
+        return _shape_guards(fakes)
+    except _Unknown as err:
+        return {"v": 1, "unknown": str(err)[:200]}
+    except Exception as err:  # a torch whose ShapeEnv differs: no guards, sizes are checked
+        return {"v": 1, "unknown": f"{type(err).__name__}: {err}"[:200]}
+
+
+def _shape_guards(fakes: list[Any]) -> dict[str, Any]:
+    import sympy
+
+    env = next((f.fake_mode.shape_env for f in fakes
+                if getattr(f, "fake_mode", None) is not None), None)
+    if env is None:
+        raise _Unknown("no ShapeEnv on the inputs")
+    syms: list[list[Any]] = []
+    index: dict[Any, int] = {}
+
+    def note(v: Any, loc: list[Any]) -> None:
+        if isinstance(v, torch.SymInt):
+            e = v.node._expr  # the symbol made for this input, before replacements
+            if isinstance(e, sympy.Symbol) and e not in index:
+                index[e] = len(syms)
+                syms.append(loc)
+
+    for i, f in enumerate(fakes):
+        if isinstance(f, torch.Tensor):
+            for d, v in enumerate(f.size()):
+                note(v, ["size", i, d])
+            for d, v in enumerate(f.stride()):
+                note(v, ["stride", i, d])
+            note(f.storage_offset(), ["offset", i])
+    guards: list[Any] = [_enc_expr(g.expr, index, 0) for g in env.guards]
+    for sym, k in index.items():
+        rng = env.var_to_range.get(sym)
+        if rng is not None:
+            for bound, rel in ((rng.lower, ">="), (rng.upper, "<=")):
+                if isinstance(bound, (int, sympy.Integer)) and not isinstance(bound, bool):
+                    guards.append([rel, ["v", k], int(bound)])
+        rep = env.replacements.get(sym)
+        if rep is not None and rep != sym:
+            guards.append(["==", ["v", k], _enc_expr(rep, index, 0)])
+    import json
+
+    seen: set[str] = set()  # a bound can come from a guard and from the symbol's range
+    kept = []
+    for g in guards:
+        text = json.dumps(g)
+        if g is not True and text not in seen:
+            seen.add(text)
+            kept.append(g)
+    return {"v": 1, "syms": syms, "guards": kept}
+
+
+def _enc_expr(e: Any, index: dict[Any, int], depth: int) -> Any:
+    import sympy
+    from torch.utils._sympy import functions as F
+
+    if depth > 48:
+        raise _Unknown("expression too deep")
+    if e is sympy.true or isinstance(e, sympy.logic.boolalg.BooleanTrue):
+        return True
+    if e is sympy.false or isinstance(e, sympy.logic.boolalg.BooleanFalse):
+        return False
+    if isinstance(e, sympy.Integer):
+        return int(e)
+    if isinstance(e, sympy.Symbol):
+        k = index.get(e)
+        if k is None:
+            raise _Unknown(f"symbol {e} is not a size of an input")
+        return ["v", k]
+    args = [_enc_expr(a, index, depth + 1) for a in e.args]
+    t = type(e)
+    ops = {sympy.Add: "+", sympy.Mul: "*", F.FloorDiv: "//", F.CleanDiv: "//",
+           F.CeilDiv: "cdiv", F.Mod: "%", F.PythonMod: "%", sympy.Mod: "%",
+           F.PowByNatural: "pow", F.Min: "min", F.Max: "max", sympy.Min: "min",
+           sympy.Max: "max", sympy.Eq: "==", sympy.Ne: "!=", sympy.StrictLessThan: "<",
+           sympy.LessThan: "<=", sympy.StrictGreaterThan: ">", sympy.GreaterThan: ">=",
+           sympy.And: "and", sympy.Or: "or", sympy.Not: "not"}
+    op = ops.get(t)
+    if op is not None:
+        return [op, *args]
+    if t is sympy.Pow and isinstance(e.args[1], sympy.Integer) and int(e.args[1]) >= 0:
+        return ["pow", *args]
+    if t is F.ModularIndexing:  # (x // d) % m
+        return ["%", ["//", args[0], args[1]], args[2]]
+    if t is F.Identity:
+        return args[0]
+    raise _Unknown(f"{t.__name__} in a shape guard")
+
+
+def pack_guards(guards: dict[str, Any] | None) -> bytes:
+    """The guard block of a serialized program (empty: a static program has none)."""
+    import json
+
+    if guards is None:
+        return b""
+    body = json.dumps(guards, separators=(",", ":")).encode()
+    return _GUARDS_TAG + len(body).to_bytes(4, "big") + body
+
+
+def unpack_guards(rest: memoryview) -> tuple[dict[str, Any] | None, memoryview]:
+    """(guards, the artifact's bytes) from what follows the build key; guards None when the
+    program has no block. An unreadable block reads as unknown guards, never as a failed load
+    (the engine then checks sizes as it would without guards)."""
+    import json
+
+    if bytes(rest[:4]) != _GUARDS_TAG:
+        return None, rest
+    n = int.from_bytes(rest[4:8], "big")
+    if len(rest) < 8 + n:
+        raise ValueError("truncated program")
+    try:
+        guards = json.loads(bytes(rest[8:8 + n]))
+    except ValueError as err:
+        guards = {"v": 1, "unknown": f"unreadable guards: {err}"[:200]}
+    if not isinstance(guards, dict):
+        guards = {"v": 1, "unknown": "guards of another format"}
+    return guards, rest[8 + n:]
 
 
 def _build_key() -> bytes:
