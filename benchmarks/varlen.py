@@ -2,7 +2,8 @@
 ``generate()`` with a growing KV cache.
 
     python -m benchmarks.varlen [--workloads train,generate]
-                                [--modes eager,engine,engine_warm,engine_on,torch_compile,engine_paired]
+                                [--modes eager,engine,engine_warm,engine_on,torch_compile,engine_paired,
+                                         engine_on_paired]
                                 [--steps 200] [--tokens 64] [--reps 3] [--out DIR] [--timeout S]
 
 Each (workload, mode) runs in a fresh process, one torch thread. ``engine`` starts with an empty
@@ -16,7 +17,15 @@ plain eager in one process, interleaved, so both sides see the same load: traini
 batch on two identical models (one plain eager, one under the engine), generation alternates a
 plain-eager ``generate()`` with one under the engine (each in its own context; the thread's
 engine, and whether it stepped aside, carries over, Note [contexts are rounds]); its ratio is
-the median over pairs of engine time / eager time.
+the median over pairs of engine time / eager time. ``engine_on_paired`` (not in the default
+list either) measures the engine's own programs, warm and kept on: first up to ``--primes``
+priming processes (default 3) run the workload under the engine with stepping aside off on a
+cache folder of the mode's own and wait for every compile to finish, until one compiles
+nothing (so every program, template and checked size is on disk); then a fresh process times
+it paired with plain eager as ``engine_paired`` does, also with stepping aside off
+(``ADAPTIVE_EAGER_STEP_ASIDE=0``), so every timed engine step runs through the engine (fused
+where a program was loaded). The row carries the priming processes' compiles and the symbolic
+programs' counters (sizes checked, trusted by their guards, refused by them, loaded from disk).
 
 Every engine row says whether the engine stepped aside: ``aside`` counts the timed steps (or
 generations) that reached no engine at all (plain eager), e.g. ``3/3``, and says why from the
@@ -118,6 +127,10 @@ def _engine_summary(start: dict[str, Any], mid: dict[str, Any], end: dict[str, A
         "compile_waits": _delta(end, start, "compile_waits"),
         "ops_intercepted": _delta(end, start, "ops_intercepted"),
         "engine_errors": _delta(end, start, "engine_errors"),
+        # symbolic programs (Note [trusting a size] in compiler.py)
+        **{name: _delta(end, start, name) for name in (
+            "sym_hits", "sym_checked", "sym_trusted", "sym_guard_refused", "sym_guards_unknown",
+            "sym_sizes_loaded", "sym_program_fallbacks") if name in end},
     }
 
 
@@ -196,7 +209,7 @@ def _cell(v: Any) -> str:
 
 
 def run_train(mode: str, steps: int) -> dict[str, Any]:
-    if mode == "engine_paired":
+    if mode in ("engine_paired", "engine_on_paired"):
         return _run_train_paired(steps)
     import torch
 
@@ -248,6 +261,8 @@ def _run_train_paired(steps: int) -> dict[str, Any]:
     eager_step, engine_step = _train_step(eager_model), _train_step(engine_model)
     eager_t: list[float] = []
     engine_t: list[float] = []
+    eager_c: list[float] = []
+    engine_c: list[float] = []
     losses: list[float] = []
     ops: list[int] = []
     start = _snapshot()
@@ -255,23 +270,29 @@ def _run_train_paired(steps: int) -> dict[str, Any]:
     for i, ids in enumerate(_batches(steps)):
         if i == _STEPS_SKIP:
             mid = _snapshot()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         eager_step(ids).item()
         eager_t.append(time.perf_counter() - t0)
+        eager_c.append(time.thread_time() - c0)
         n0 = _ops()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with adaptive_eager.adaptive_eager():
             loss = engine_step(ids)
             losses.append(loss.item())
         engine_t.append(time.perf_counter() - t0)
+        engine_c.append(time.thread_time() - c0)
         if i >= _STEPS_SKIP:
             ops.append(_ops() - n0)
     end = _snapshot()
     state = _engine_state()
     e, g = engine_t[_STEPS_SKIP:], eager_t[_STEPS_SKIP:]
+    ec, gc = engine_c[_STEPS_SKIP:], eager_c[_STEPS_SKIP:]
     out: dict[str, Any] = {"ms_per_step": round(1e3 * _median(e), 3),
                            "eager_ms_per_step": round(1e3 * _median(g), 3),
                            "paired_ratio": round(_median([a / b for a, b in zip(e, g)]), 3),
+                           "cpu_ms_per_step": round(1e3 * _median(ec), 3),
+                           "cpu_paired_ratio": round(_median([a / b for a, b in zip(ec, gc)
+                                                              if b > 0]), 3),
                            "first_steps_s": round(sum(engine_t[:_STEPS_SKIP]), 2),
                            "losses": losses, "aside": _aside_count(ops), "state": state}
     out.update(_engine_summary(start, mid, end, steps - _STEPS_SKIP))
@@ -300,7 +321,7 @@ def run_generate(mode: str, tokens: int, reps: int = 3) -> dict[str, Any]:
         prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(7))
         for grad_ctx_name, grad_ctx in (("no_grad", torch.no_grad),
                                         ("inference_mode", torch.inference_mode)):
-            if mode == "engine_paired":
+            if mode in ("engine_paired", "engine_on_paired"):
                 out[f"{arch}/{grad_ctx_name}"] = _generate_paired(model, prompt, tokens, reps,
                                                                   grad_ctx)
                 continue
@@ -381,11 +402,34 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
+    mode = "engine_on" if args.mode == "engine_prime" else args.mode
     if args.workload == "train":
-        result = run_train(args.mode, args.steps)
+        result = run_train(mode, args.steps)
     else:
-        result = run_generate(args.mode, args.tokens, args.reps)
+        result = run_generate(mode, args.tokens, args.reps)
+    if args.mode == "engine_prime":  # every compile it started ends on disk before it exits
+        import adaptive_eager
+
+        t0 = time.perf_counter()
+        adaptive_eager.wait_for_compiles(args.timeout)
+        m = adaptive_eager.metrics()
+        result = {"compiles": m["compiles"] + m["service_compiles"],
+                  "compile_errors": m["compile_errors"], "waited_s": round(
+                      time.perf_counter() - t0, 1)}
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _prime(workload: str, args: argparse.Namespace, cache: Path) -> list[dict[str, Any]]:
+    """engine_on_paired: warm its cache folder until a process compiles nothing."""
+    runs = []
+    for _ in range(args.primes):
+        got = _run_case(workload, "engine_prime", args, cache)
+        runs.append(got)
+        print(f"{workload} engine_on_paired priming: {json.dumps(got)[:300]}", file=sys.stderr,
+              flush=True)
+        if "error" in got or not got.get("compiles"):
+            break
+    return runs
 
 
 def _run_case(workload: str, mode: str, args: argparse.Namespace, cache: Path) -> dict[str, Any]:
@@ -394,7 +438,10 @@ def _run_case(workload: str, mode: str, args: argparse.Namespace, cache: Path) -
     env["OMP_NUM_THREADS"] = "1"
     if mode.startswith("engine"):
         env["ADAPTIVE_EAGER_CACHE_DIR"] = str(cache / "engine")
-    if mode == "engine_on":  # the engine kept on: no stepping aside, no eager while compiling
+    if mode in ("engine_prime", "engine_on_paired"):  # warm and kept on: its own folder
+        env["ADAPTIVE_EAGER_CACHE_DIR"] = str(cache / f"engine_on_paired-{workload}")
+    if mode in ("engine_on", "engine_prime", "engine_on_paired"):
+        # the engine kept on: no stepping aside, no eager while compiling
         env["ADAPTIVE_EAGER_STEP_ASIDE"] = "0"
     if mode == "torch_compile":
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / f"inductor-{workload}")
@@ -461,17 +508,20 @@ def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         base = train.get("eager", {}).get("ms_per_step")
         comp = train.get("torch_compile", {}).get("ms_per_step")
         lines += ["| train (GPT-2, seq 16-64) | ms/step | speed vs eager | time / eager | "
-                  "vs torch.compile | aside (timed steps plain eager) | hit rate | flushes/step | "
-                  "compiles | max loss diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "CPU time / eager | vs torch.compile | aside (timed steps plain eager) | "
+                  "hit rate | flushes/step | compiles | max loss diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode, r in train.items():
             if "error" in r:
-                lines.append(f"| {mode} | error: {r['error'][:80]} | | | | | | | | |")
+                lines.append(f"| {mode} | error: {r['error'][:80]} | | | | | | | | | |")
                 continue
             ms = r["ms_per_step"]
             b = r.get("eager_ms_per_step", base)
+            cratio = (f"{r['cpu_paired_ratio']:.2f} (paired)" if "cpu_paired_ratio" in r
+                      else "-")
             lines.append(
                 f"| {mode} | {ms:.1f} | {_speed(b, ms, r)} | {_time_ratio(r, b, ms)} | "
-                f"{_speed(comp, ms) if comp else '-'} | {_aside_cell(r)} | "
+                f"{cratio} | {_speed(comp, ms) if comp else '-'} | {_aside_cell(r)} | "
                 f"{_cell(r.get('hit_rate'))} | {r.get('flushes_per_step', '-')} | "
                 f"{r.get('compiles', '-')} | {r.get('max_loss_diff_vs_eager', '-')} |")
     gen = results.get("generate")
@@ -498,7 +548,35 @@ def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                              f"{_time_ratio(r, b, ms)} | {cratio} | {_aside_cell(r)} | "
                              f"{_cell(r.get('hit_rate'))} | {r.get('compiles', '-')} | "
                              f"{r.get('tokens_equal_eager', '-')} |")
+    lines += _sym_table(results)
     return "\n".join(lines)
+
+
+def _sym_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Symbolic programs per engine row (Note [trusting a size] in compiler.py): the priming
+    processes' compiles, then over the timed process: fused runs, sizes checked against replay,
+    sizes run unchecked by their guards, sizes the guards refused, sizes loaded as checked."""
+    rows = []
+    for workload, by_mode in results.items():
+        for mode, row in by_mode.items():
+            cases = ([(workload, row)] if workload == "train" else
+                     [(c, r) for c, r in row.items() if isinstance(r, dict)])
+            for case, r in cases:
+                if "sym_checked" not in r:
+                    continue
+                primes = row.get("priming")
+                pc = ("/".join(str(p.get("compiles", "error")) for p in primes)
+                      if primes else "-")
+                rows.append(f"| {case} | {mode} | {pc} | {r.get('compiles', '-')} | "
+                            f"{r.get('compiled_runs', '-')} | {r.get('sym_checked', '-')} | "
+                            f"{r.get('sym_trusted', '-')} | {r.get('sym_guard_refused', '-')} | "
+                            f"{r.get('sym_sizes_loaded', '-')} | "
+                            f"{r.get('sym_program_fallbacks', '-')} |")
+    if not rows:
+        return []
+    return ["", "| symbolic programs | mode | priming compiles | compiles | fused runs | "
+            "sizes checked | sizes trusted by guards | refused by guards | checked sizes "
+            "loaded | fallbacks |", "|---|---|---|---|---|---|---|---|---|---|"] + rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -509,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="timed generations per case")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--primes", type=int, default=3,
+                   help="engine_on_paired: priming processes at most (until one compiles nothing)")
     p.add_argument("--out", default=None, help="folder for results.json and table.md")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -523,7 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         for workload in args.workloads.split(","):
             rows: dict[str, dict[str, Any]] = {}
             for mode in args.modes.split(","):
+                primes = _prime(workload, args, tmp) if mode == "engine_on_paired" else None
                 rows[mode] = _run_case(workload, mode, args, tmp)
+                if primes is not None:
+                    rows[mode]["priming"] = primes
                 print(f"{workload} {mode}: " + json.dumps(
                     {k: v for k, v in rows[mode].items() if k not in ("losses",)})[:600],
                       file=sys.stderr, flush=True)
