@@ -307,3 +307,43 @@ def test_template_refused_by_the_graph_builder_is_counted() -> None:
     assert m["sym_hits"] >= 1 and m["sym_unfusable"] == 1 and m["compiles"] == 0, m
     for a, e in zip(got, want):
         assert torch.equal(a, e)
+
+
+
+def test_template_program_that_specializes_is_refused_and_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the SymInt-aware decomposition of ``constant_pad_nd`` (Note [specializing
+    kernels]: GPT-2's loss pads its labels), its fake kernel fixes the length (``Eq(s0, T)``):
+    the program would serve one size only, so the backend refuses it while propagating shapes,
+    before Inductor compiles anything; counted in ``sym_specialized``, and the trace runs op
+    by op with eager's bits."""
+    from adaptive_eager.backends import inductor
+
+    monkeypatch.setattr(inductor, "_SYM_DECOMPS", ())
+    monkeypatch.setattr(inductor, "_PROP", None)  # rebuilt without the decomposition
+    ln = _model()
+    g = torch.Generator().manual_seed(5)
+    sizes = LEARN + [12, 14, 15, 20, 33, 20]
+    data = [(torch.randn(2, T, 16, generator=g), torch.randint(0, 16, (2, T), generator=g))
+            for T in sizes]
+
+    def fn(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        return torch.nn.functional.cross_entropy(ln(x).view(-1, 16), shifted.view(-1),
+                                                 ignore_index=-100)
+
+    with torch.no_grad():
+        want = [fn(x, lab) for x, lab in data]
+    with ae.adaptive_eager(compile_async=False, hot_after=2, symbolic_programs=True,
+                           step_aside=False, compile_process=False), torch.no_grad():
+        got = []
+        for x, lab in data:
+            got.append(fn(x, lab))
+            ae.sync()
+        m = ae.metrics()
+    monkeypatch.undo()
+    inductor._PROP = None
+    assert m["sym_hits"] >= 1 and m["sym_specialized"] == 1, m
+    assert m["compile_errors"] == 1 and m["compiled_runs"] == 0, m
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
