@@ -112,6 +112,76 @@ def aside_check(args: argparse.Namespace, cache: str) -> int:
     return 0
 
 
+def paired(args: argparse.Namespace, cache: str) -> int:
+    """Engine against eager in one process, steps interleaved (issue 13's mid-size target on a
+    shared machine, where separate processes see different load): plain eager; the engine with
+    its own decisions (default backend, compiles waited for, stepping aside off, so the engine
+    itself is measured); and op-by-op replay (backend="replay"). After warming each, rounds of
+    one step per mode, the order rotated every round; process CPU time per step (one torch
+    thread: kernels run in this thread) and wall clock. Prints the medians, the ratios to eager
+    and what the engine decided for its traces."""
+    import resource
+
+    import adaptive_eager as ae
+
+    bench = WORKLOADS[args.workload].build(args.size, torch.device("cpu"))
+    engine = dict(backend=args.backend, compile_async=False, step_aside=False, cache_dir=cache)
+    replay = dict(backend="replay", step_aside=False, cache_dir=cache + "-replay")
+
+    def under(opts: dict[str, Any] | None, n: int) -> None:
+        if opts is None:
+            _steps(bench, n, lambda: None)
+            return
+        with ae.adaptive_eager(**opts):
+            _steps(bench, n, ae.sync)
+
+    modes: dict[str, dict[str, Any] | None] = {"eager": None, "engine": engine, "replay": replay}
+    t0 = time.perf_counter()
+    under(None, 2)
+    for warm in range(1, args.max_warmup + 1):  # until every flush runs a decided trace
+        ae.reset_metrics()
+        under(engine, 1)
+        m = ae.metrics()
+        if warm >= 6 and m["replayed_runs"] + m["compiled_runs"] == m["flushes"] and (
+                m["kept_fused"] + m["kept_replay"] == 0):
+            break
+    under(replay, 3)
+    settle_s = time.perf_counter() - t0
+    cpu: dict[str, list[float]] = {k: [] for k in modes}
+    wall: dict[str, list[float]] = {k: [] for k in modes}
+    faults: dict[str, list[int]] = {k: [] for k in modes}
+    names = list(modes)
+    ae.reset_metrics()
+    for r in range(args.steps):
+        for name in names[r % 3:] + names[:r % 3]:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            c0, w0 = time.process_time(), time.perf_counter()
+            under(modes[name], 1)
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    m = ae.metrics()
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"{args.workload} {args.size}, backend {args.backend}, {args.threads} thread(s), "
+          f"{args.steps} rounds, warmed in {settle_s:.1f} s (engine settled after {warm} steps), "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<8} {'CPU ms/step':>12} {'x eager':>8} {'wall ms/step':>13} {'x eager':>8} "
+          f"{'faults/step':>12}")
+    mw = {k: statistics.median(v) for k, v in wall.items()}
+    for k in modes:
+        print(f"{k:<8} {med[k] * 1e3:12.1f} {med['eager'] / med[k]:8.3f} {mw[k] * 1e3:13.1f} "
+              f"{mw['eager'] / mw[k]:8.3f} {statistics.median(faults[k]):12.0f}")
+    print(f"engine and replay rounds together: {m['flushes']} flushes, {m['compiled_runs']} fused "
+          f"runs, {m['replayed_runs']} op-by-op runs, {m['ops_fused']} ops fused of "
+          f"{m['ops_deferred']} deferred")
+    from adaptive_eager.cache.memory import TRIE
+
+    for entry in sorted(TRIE.entry_list, key=lambda e: e.n_ops, reverse=True)[:6]:
+        if entry.decision:
+            print(f"  trace {entry.digest[:12]} ({entry.n_ops} ops): {entry.decision}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="gpt2_train")
@@ -124,12 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aside-check", action="store_true",
                    help="instead of the profile: does the engine leave anything that slows "
                         "plain eager down (see aside_check)")
+    p.add_argument("--paired", action="store_true",
+                   help="instead of the profile: eager, the engine and op-by-op replay steps "
+                        "interleaved in one process (see paired)")
     p.add_argument("--max-seconds", type=float, default=900.0,
                    help="--aside-check: longest engine phase (compiles, measuring, the trial)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import adaptive_eager as ae
 
+    if args.paired:
+        cache = args.cache_dir or tempfile.mkdtemp(prefix="ae-paired-")
+        os.makedirs(cache, mode=0o700, exist_ok=True)
+        os.chmod(cache, 0o700)
+        return paired(args, cache)
     if args.aside_check:
         cache = args.cache_dir or tempfile.mkdtemp(prefix="ae-aside-")
         os.makedirs(cache, mode=0o700, exist_ok=True)
