@@ -841,9 +841,11 @@ class CompileManager:
         if rec.guards is None:
             fits: bool | None = None
         else:
+            from adaptive_eager.execute import ReplayGuard
             from adaptive_eager.graph import ext_reals
 
-            inputs = g.inputs([t.detach() for t in ext_reals(trace)], trace.scalars)
+            with ReplayGuard():  # the engine's own tensor ops, as in run_fused
+                inputs = g.inputs([t.detach() for t in ext_reals(trace)], trace.scalars)
             if inputs is None:
                 return _UNREAD
             try:
