@@ -347,3 +347,36 @@ def test_template_program_that_specializes_is_refused_and_counted(
     assert m["compile_errors"] == 1 and m["compiled_runs"] == 0, m
     for a, e in zip(got, want):
         assert torch.equal(a, e)
+
+
+def test_guards_collected_from_a_real_shape_env() -> None:
+    """``shape_guards`` reads what a ShapeEnv recorded while fake kernels ran on a dynamic
+    length: glu halves dim 1 (``s % 2 == 0``), cdist picks its kernel by size (``s <= 25``),
+    and the range every size symbol gets (``s >= 2``; glu's half too: ``s // 2 != 1``); a
+    second input's length unified with the first (broadcasting) becomes an equality. Decoded,
+    they hold exactly where those assumptions do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    from adaptive_eager.backends.inductor import shape_guards
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC,
+                                                  DimDynamic.STATIC])
+    x = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
+    y = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
+    with mode:
+        torch.nn.functional.glu(x, 1)
+        torch.cdist(x, x)
+        x + y
+    data = shape_guards([x, y])
+    assert "unknown" not in data, data
+    sg = ShapeGuards.decode(json.loads(json.dumps(data)))
+
+    def at(a: int, b: int) -> bool:
+        return sg.holds([torch.empty(2, a, 16), torch.empty(2, b, 16)])
+
+    assert at(10, 10) and at(4, 4) and at(24, 24)
+    assert not at(11, 11) and not at(26, 26) and not at(10, 12)
+    assert not at(2, 2)  # glu's half would be 1: a size-1 dim, specialized away
