@@ -120,7 +120,8 @@ def test_stored_guards_are_data_and_reject_the_size_beyond(compiled: Path) -> No
     guards, rest = unpack_guards(memoryview(data)[len(key):])
     assert guards is not None and "unknown" not in guards, guards
     sg = ShapeGuards.decode(guards)
-    assert sg.locs == [("size", 0, 1)], sg.locs  # s is dim 1 of the first input
+    assert sg.locs == [("size", 0, 1), ("stride", 0, 0)], sg.locs  # s: dim 1 of input 0,
+    # whose contiguous stride 16*s the program assumes too
     x = torch.empty(2, 21, 16)
     assert sg.holds([x]) and not sg.holds([torch.empty(2, BEYOND, 16)])
     assert not sg.holds([torch.empty(2, 1, 16)])  # the 0/1 specialization: s >= 2
@@ -380,3 +381,28 @@ def test_guards_collected_from_a_real_shape_env() -> None:
     assert at(10, 10) and at(4, 4) and at(24, 24)
     assert not at(11, 11) and not at(26, 26) and not at(10, 12)
     assert not at(2, 2)  # glu's half would be 1: a size-1 dim, specialized away
+
+
+
+def test_symbolic_strides_become_equalities() -> None:
+    """A contiguous input's stride is 16*s in the fakes: the program assumes that layout, so it
+    is kept as an equality (a slice of a longer buffer, same sizes, fails it; its static
+    strides are the template's to match). Two inputs made
+    with their own symbols stay independent (nothing related them while compiling)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    from adaptive_eager.backends.inductor import shape_guards
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC,
+                                                  DimDynamic.STATIC])
+    x = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
+    y = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
+    data = shape_guards([x, y])
+    assert ["stride", 0, 0] in data["syms"], data
+    sg = ShapeGuards.decode(data)
+    assert sg.holds([torch.empty(2, 7, 16), torch.empty(2, 7, 16)])
+    assert sg.holds([torch.empty(2, 7, 16), torch.empty(2, 8, 16)])
+    assert not sg.holds([torch.empty(2, 7, 16), torch.empty(2, 9, 16)[:, :7]])  # 144 != 16*7

@@ -207,7 +207,10 @@ def _not_specialized(fakes: list[Any], stage: str) -> None:
 # them, right after the compile and in the process that compiled, into data: each symbol is
 # located as (size | stride | offset, input, dim) of the program's inputs, and each guard is a
 # small tree of ints, symbol references and the operators + * // % cdiv pow min max, the
-# relations == != < <= > >= and and/or/not. Anything else (a rational coefficient, an
+# relations == != < <= > >= and and/or/not. Every other symbolic property of an input
+# becomes an equality too: a dim that duck sizing gave another dim's symbol (equal at compile
+# time, assumed equal ever after, with no entry in ``guards``: Dynamo's produce_guards would
+# emit it as a source equality) and a stride such as 16*s (contiguity). Anything else (a rational coefficient, an
 # unbacked symbol from ``aten.item``, a float function) makes the whole set ``unknown``, which
 # the engine treats as "no size may be trusted by guards" (it checks each size against replay,
 # as before guards existed). The set travels inside the serialized program (``pack_guards``:
@@ -242,25 +245,30 @@ def _shape_guards(fakes: list[Any]) -> dict[str, Any]:
                 if getattr(f, "fake_mode", None) is not None), None)
     if env is None:
         raise _Unknown("no ShapeEnv on the inputs")
-    syms: list[list[Any]] = []
-    index: dict[Any, int] = {}
-
-    def note(v: Any, loc: list[Any]) -> None:
-        if isinstance(v, torch.SymInt):
-            e = v.node._expr  # the symbol made for this input, before replacements
-            if isinstance(e, sympy.Symbol) and e not in index:
-                index[e] = len(syms)
-                syms.append(loc)
-
+    props: list[tuple[list[Any], Any]] = []  # every symbolic size, stride, offset
     for i, f in enumerate(fakes):
         if isinstance(f, torch.Tensor):
             for d, v in enumerate(f.size()):
-                note(v, ["size", i, d])
+                props.append((["size", i, d], v))
             for d, v in enumerate(f.stride()):
-                note(v, ["stride", i, d])
-            note(f.storage_offset(), ["offset", i])
+                props.append((["stride", i, d], v))
+            props.append((["offset", i], f.storage_offset()))
+    props = [(loc, v.node._expr) for loc, v in props if isinstance(v, torch.SymInt)]
+    syms: list[list[Any]] = []
+    index: dict[Any, int] = {}
+    for loc, e in props:  # each symbol at the first input property made with it
+        if isinstance(e, sympy.Symbol) and e not in index:
+            index[e] = len(syms)
+            syms.append(loc)
     guards: list[Any] = [_enc_expr(g.expr, index, 0) for g in env.guards]
-    for sym, k in index.items():
+    for loc, e in props:  # any other symbolic property is what the program was compiled
+        # for: a dim duck-sized to another's symbol (equal lengths at compile time share it,
+        # guarded by nothing in env.guards), a contiguous stride such as 16*s
+        if isinstance(e, sympy.Symbol) and syms[index[e]] is loc:
+            continue
+        syms.append(loc)
+        guards.append(["==", ["v", len(syms) - 1], _enc_expr(e, index, 0)])
+    for sym, k in list(index.items()):
         rng = env.var_to_range.get(sym)
         if rng is not None:
             for bound, rel in ((rng.lower, ">="), (rng.upper, "<=")):
