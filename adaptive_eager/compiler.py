@@ -418,9 +418,9 @@ def _script_id() -> str:
 #   guards say where the program applies, the checks that it computes what the trace does
 #   (a wrong lowering is caught at the first sizes, before anything runs unchecked).
 # A size whose guards fail never runs the program, not even on copies (it may read past a
-# buffer): it runs op by op, the static path of a template entry, and is counted in
+# buffer): it runs op by op (a template entry's static path), and is counted in
 # ``sym_guard_refused``; the program stays trusted for other sizes. Guards that cannot be read
-# or evaluated (a program from before guards, a node the interpreter does not know, a corrupt
+# or evaluated (a backend that gives none, a node the interpreter does not know, a corrupt
 # block) trust no size by guards: every new size is checked as the first ones are, and this is
 # counted in ``sym_guards_unknown``. A size that raised or differed stays op by op, and two
 # such sizes quarantine the trace. Earlier versions trusted only sizes between the smallest and
@@ -458,7 +458,7 @@ class ShapeGuards:
     __slots__ = ("locs", "exprs")
     _NARY = frozenset(("+", "*", "min", "max", "and", "or"))
     _BINARY = frozenset(("//", "%", "cdiv", "pow", "==", "!=", "<", "<=", ">", ">="))
-    _MAX_NODES = 20000
+    _MAX_NODES = 200_000  # a GPT-2 training step's set: a few thousand
 
     def __init__(self, locs: list[tuple], exprs: list[Any]) -> None:
         self.locs, self.exprs = locs, exprs
