@@ -406,3 +406,35 @@ def test_symbolic_strides_become_equalities() -> None:
     assert sg.holds([torch.empty(2, 7, 16), torch.empty(2, 7, 16)])
     assert sg.holds([torch.empty(2, 7, 16), torch.empty(2, 8, 16)])
     assert not sg.holds([torch.empty(2, 7, 16), torch.empty(2, 9, 16)[:, :7]])  # 144 != 16*7
+
+
+def test_malformed_stored_sizes_are_ignored_and_counted(compiled: Path, cache_dir: Path) -> None:
+    """Checked sizes in the statistics that are not sizes (a string, s=1) are ignored and
+    counted in ``disk_errors``: the sizes are checked again, results eager's."""
+    from adaptive_eager.cache.disk import DiskCache
+
+    _copy(compiled, cache_dir)
+    disk = DiskCache.open(cache_dir, 1 << 30)
+    assert disk is not None
+    try:
+        names = [n[len("stats:"):] for n in disk.keys() if n.startswith("stats:")]
+        found = 0
+        for name in names:
+            stats = disk.get_stats(name)
+            if stats and isinstance(stats.get("sym_sizes"), dict):
+                stats["sym_sizes"]["agreed"] = ["20", 1, 33]
+                disk.put_stats(name, stats)
+                found += 1
+    finally:
+        disk.close()
+    assert found == 1
+    ln = _model()
+    xs = _inputs([21, 50], 6)
+    with torch.no_grad():
+        want = [_block(ln, x) for x in xs]
+    got, steps = _run(ln, xs)
+    m = steps[-1]
+    assert m["compiles"] == 0 and m["disk_hits"] >= 1 and m["disk_errors"] >= 1, steps
+    assert m["sym_sizes_loaded"] == 0 and m["sym_checked"] == 2 and m["sym_trusted"] == 0, steps
+    for y, e in zip(got, want):
+        assert torch.equal(y, e)
