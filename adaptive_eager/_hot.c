@@ -11,12 +11,18 @@
  *   - none of the mode's early exits can apply: the first argument is a pending lazy tensor and
  *     the op is no view of another argument, or else ``types`` holds only LazyTensor (no
  *     foreign subclass), a view's base is a pending lazy tensor (no run_view) and a lazy
- *     tensor is among the arguments (no host-scalar op);
+ *     tensor, or no tensor at all (arange, full), is among the arguments (no host-scalar op);
  *   - every tensor argument (positional, in a list, or a keyword) is a pending lazy tensor of
  *     this trace or a tensor already numbered in ``tr.ext_ids`` (plain Tensor/Parameter, or a
  *     lazy tensor holding its value); the other arguments are numbers, lists/tuples of those,
  *     or objects keyed as themselves (None, dtypes, devices, ...);
- *   - the trie has a child for the key whose output is one ``Meta`` (a new lazy tensor), an
+ *   - the trie has a child for the key, or the trace runs on a fitted template (Note
+ *     [symbolic dims] in shapes.py) and this is a memoised step of it: ``tr.node.sym`` is
+ *     ``(tpl, i)``, ``tr.sym.tpl is tpl``, tpl is not dead, ``i < len(tpl.steps)`` and
+ *     ``tpl.memo[tr.sym.s][i]`` holds this key (one tuple compare, Note [template memo]);
+ *     then, as shapes.step does, the key and outputs go on ``tr.sym.keys``/``outs``,
+ *     ``tr.node`` becomes ``tpl.nodes[i]`` and ``M.sym_ops`` counts it (``stats()["sym"]``);
+ *   - the output (the child's, or the memoised one) is one ``Meta`` (a new lazy tensor), an
  *     int (an in-place op returning that argument), None, or a flat tuple/list of those;
  *   - nothing else is due: the op would not arm the read guard (``_note_writes``), the trace is
  *     below its cap, its slot has a shared marker, and no other thread is running the trace.
@@ -32,7 +38,13 @@
  * exact type), the engine's in its instance dict: what generic attribute access does, cheaper.
  * Left to Python: the first use of an external tensor in a trace (Trace.register reads its
  * metadata and storage), views of real tensors, host-scalar, random and grad-mode ops, nested
- * outputs, trie misses and symbolic templates, the op that arms the read guard, the cap flush.
+ * outputs, trie misses, the op that arms the read guard, the cap flush; of templates, the
+ * anchor step (``node.sym`` a list: it binds s, and its key holds an external's first use in
+ * the programs measured, so C could not take it anyway), the first run at each s (the memo
+ * is empty: the key is matched against the step's pattern), another key at a step (another
+ * template may go on, or the trace leaves the template), a dead template. Share of a
+ * config-built GPT-2 generate() (32 tokens, engine kept on, repeated) recorded in C: 12% with
+ * trie hits only, 70% with template steps; most of the rest are first uses of externals.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,6 +57,7 @@
 
 static PyObject *LazyT, *TensorT, *ParamT, *MetaT, *SLOTS, *make_wrapper, *set_bits, *Mobj,
     *NO_KWARGS, *TO_COPY, *fallback, *DEFER, *EngineT;
+static PyObject *TemplateT, *SymTraceT; /* shapes.Template, shapes.SymTrace (NULL: no template steps) */
 static int ready = 0;
 /* Attributes of the engine's __slots__ classes (Trace, TrieNode, OpSpec, Meta, Metrics) are read
  * and written at their member offsets when the object's type is exactly the class seen at init
@@ -58,6 +71,8 @@ typedef struct {
 #define SET(o, nm, v) fset((o), s_##nm, &f_##nm, (v))
 
 static Fast f_ops, f_ext_ids, f_last, f_scalars, f_node, f_n_slots, f_refs, f_children, f_out, f_policy, f_view_arg, f_bool_index, f_structural, f_scalar_pos, f_scalar_kw, f_writes, f_wrapper_args, f_bits, f_ops_intercepted, f_ops_deferred;
+/* template steps: Trace.sym, TrieNode.sym, SymTrace.{tpl,s,outs,keys}, Template.{dead,steps,nodes,memo}, Metrics.sym_ops */
+static Fast f_tr_sym, f_node_sym, f_st_tpl, f_st_s, f_st_outs, f_st_keys, f_tpl_dead, f_tpl_steps, f_tpl_nodes, f_tpl_memo, f_sym_ops;
 
 static inline PyObject *
 fget(PyObject *o, PyObject *name, Fast *f)
@@ -101,13 +116,14 @@ fast_init(Fast *f, PyObject *type, const char *name)
 }
 
 static PyObject *ONE;
-static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0;
+static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0, n_sym = 0;
 
 static PyObject *s_ae_spec, *s_policy, *s_view_arg, *s_engine, *s_trace, *s_busy, *s_foreign,
     *s_ops, *s_ext_ids, *s_last, *s_scalars, *s_node, *s_children, *s_out, *s_n_slots, *s_refs,
     *s_ae_trace, *s_ae_real, *s_ae_slot, *s_ae_meta, *s_wrapper_args, *s_bits, *s_structural,
     *s_scalar_pos, *s_scalar_kw, *s_writes, *s_ext_writes, *s_cap, *s_bool_index,
-    *s_ops_intercepted, *s_ops_deferred;
+    *s_ops_intercepted, *s_ops_deferred, *s_sym, *s_tpl, *s_s, *s_outs, *s_keys, *s_dead,
+    *s_steps, *s_nodes, *s_memo, *s_sym_ops;
 
 typedef struct {
     PyObject *tr;          /* borrowed from the engine for the call (held by a reference) */
@@ -169,11 +185,13 @@ is_pending(PyObject *a)
     return pending;
 }
 
-/* Whether a LazyTensor is among the arguments or inside a list/tuple argument (then
- * mode.is_host_scalar_op is false whatever else it holds). */
+/* Whether mode.is_host_scalar_op is surely false: a LazyTensor is among the arguments or
+ * inside a list/tuple argument, or no tensor is there at all (a factory op: arange, full).
+ * 0: real tensors only (Python asks their sizes and devices). */
 static int
 any_lazy(PyObject *args)
 {
+    int tensors = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
         PyObject *a = PyTuple_GET_ITEM(args, i);
         if ((PyObject *)Py_TYPE(a) == LazyT)
@@ -181,12 +199,16 @@ any_lazy(PyObject *args)
         if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
             Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
             PyObject **xs = PySequence_Fast_ITEMS(a);
-            for (Py_ssize_t j = 0; j < n; j++)
+            for (Py_ssize_t j = 0; j < n; j++) {
                 if ((PyObject *)Py_TYPE(xs[j]) == LazyT)
                     return 1;
+                tensors |= PyObject_TypeCheck(xs[j], (PyTypeObject *)TensorT);
+            }
         }
+        else
+            tensors |= PyObject_TypeCheck(a, (PyTypeObject *)TensorT);
     }
-    return 0;
+    return !tensors;
 }
 
 /* ~ext_ids[id(a)] as a new reference; NULL with no error when not registered. */
@@ -497,6 +519,117 @@ fail:
     return NULL;
 }
 
+/* A template step (shapes.step on a template's own node, Note [template memo]): the trie
+ * missed at ``node``; ``node.sym`` is (tpl, i), the trace is on tpl (``tr.sym.tpl is tpl``),
+ * tpl is alive, ``i < len(tpl.steps)`` and ``tpl.memo[s][i] == (key, got)`` with its key equal
+ * to ``key``. Then 1, with new references: *state (tr.sym), *outs and *keys (its lists), *next
+ * (tpl.nodes[i]) and *got; nothing changed. 0: not this case (the Python path decides, and
+ * may match the key's pattern, try another template or leave); -1: an error (set). */
+static int
+tpl_step(PyObject *node, PyObject *tr, PyObject *key, PyObject **state, PyObject **outs,
+         PyObject **keys, PyObject **next, PyObject **got)
+{
+    PyObject *sym = NULL, *st = NULL, *stpl = NULL, *steps = NULL, *memo = NULL, *s = NULL;
+    PyObject *m = NULL, *hit = NULL, *nodes = NULL, *ol = NULL, *kl = NULL;
+    int res = -1;
+    if ((sym = fget(node, s_sym, &f_node_sym)) == NULL)
+        goto done;
+    res = 0;
+    if (!PyTuple_CheckExact(sym) || PyTuple_GET_SIZE(sym) != 2)
+        goto done; /* None, or a list: an anchor (Python) */
+    PyObject *tpl = PyTuple_GET_ITEM(sym, 0), *i = PyTuple_GET_ITEM(sym, 1);
+    if ((PyObject *)Py_TYPE(tpl) != TemplateT || !PyLong_CheckExact(i))
+        goto done;
+    Py_ssize_t iv = PyLong_AsSsize_t(i);
+    if (iv < 0) {
+        res = -(iv == -1 && PyErr_Occurred());
+        goto done;
+    }
+    res = -1;
+    if ((st = fget(tr, s_sym, &f_tr_sym)) == NULL)
+        goto done;
+    res = 0;
+    if ((PyObject *)Py_TYPE(st) != SymTraceT)
+        goto done; /* None: the trace is on no template */
+    res = -1;
+    if ((stpl = fget(st, s_tpl, &f_st_tpl)) == NULL)
+        goto done;
+    res = 0;
+    if (stpl != tpl)
+        goto done;
+    int dead = get_bool(tpl, s_dead, &f_tpl_dead);
+    if (dead != 0) {
+        res = dead < 0 ? -1 : 0;
+        goto done;
+    }
+    res = -1;
+    if ((steps = fget(tpl, s_steps, &f_tpl_steps)) == NULL)
+        goto done;
+    res = 0;
+    if (!PyList_CheckExact(steps) || iv >= PyList_GET_SIZE(steps))
+        goto done;
+    res = -1;
+    if ((memo = fget(tpl, s_memo, &f_tpl_memo)) == NULL || (s = fget(st, s_s, &f_st_s)) == NULL)
+        goto done;
+    res = 0;
+    if (!PyDict_CheckExact(memo))
+        goto done;
+    /* borrowed items are held: comparing the keys may run Python code */
+    if ((m = PyDict_GetItemWithError(memo, s)) == NULL) {
+        res = -!!PyErr_Occurred();
+        goto done; /* the first run at this s: Python matches and fills the memo */
+    }
+    Py_INCREF(m);
+    if (!PyDict_CheckExact(m))
+        goto done;
+    if ((hit = PyDict_GetItemWithError(m, i)) == NULL) {
+        res = -!!PyErr_Occurred();
+        goto done;
+    }
+    Py_INCREF(hit);
+    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 2)
+        goto done;
+    res = -1;
+    if ((nodes = fget(tpl, s_nodes, &f_tpl_nodes)) == NULL ||
+        (ol = fget(st, s_outs, &f_st_outs)) == NULL || (kl = fget(st, s_keys, &f_st_keys)) == NULL)
+        goto done;
+    res = 0;
+    if (!PyList_CheckExact(nodes) || iv >= PyList_GET_SIZE(nodes) || !PyList_CheckExact(ol) ||
+        !PyList_CheckExact(kl))
+        goto done;
+    {
+        PyObject *eq = PyObject_RichCompare(PyTuple_GET_ITEM(hit, 0), key, Py_EQ);
+        int same = eq == NULL ? -1 : PyObject_IsTrue(eq);
+        Py_XDECREF(eq);
+        if (same != 1) {
+            res = same; /* 0: another key at this step (Python matches it), -1: an error */
+            goto done;
+        }
+    }
+    *next = PyList_GET_ITEM(nodes, iv);
+    Py_INCREF(*next);
+    *got = PyTuple_GET_ITEM(hit, 1);
+    Py_INCREF(*got);
+    *state = st;
+    *outs = ol;
+    *keys = kl;
+    st = ol = kl = NULL;
+    res = 1;
+done:
+    Py_XDECREF(sym);
+    Py_XDECREF(st);
+    Py_XDECREF(stpl);
+    Py_XDECREF(steps);
+    Py_XDECREF(memo);
+    Py_XDECREF(s);
+    Py_XDECREF(m);
+    Py_XDECREF(hit);
+    Py_XDECREF(nodes);
+    Py_XDECREF(ol);
+    Py_XDECREF(kl);
+    return res;
+}
+
 /* The fast path. A new reference on success; NULL with no error set when the op is not the
  * fast case (nothing was changed); NULL with an error only when a change of the trace failed
  * midway (out of memory), which propagates as it would from Engine.record. */
@@ -509,6 +642,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     PyObject *n_op_obj = NULL, *writes = NULL, *okw = NULL;
     PyObject *kw_marked = NULL;
     PyObject *ed = NULL; /* the engine's instance dict */
+    PyObject *sym_state = NULL, *sym_outs = NULL, *sym_keys = NULL; /* a template step's */
     PyObject *news[MAX_OUTS], *newrefs[MAX_OUTS]; /* new lazy outputs, their weak refs */
     int n_new = 0, n_refs = 0;
     PyObject *slots_val = NULL; /* the tr.ops entry's output slots */
@@ -834,12 +968,22 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     if (!PyDict_CheckExact(children))
         goto notfast_clean;
     child = PyDict_GetItemWithError(children, key);
-    if (child == NULL)
-        goto notfast_maybe_err; /* a miss (or a template step): Python */
-    Py_INCREF(child);
-    out_spec = GET(child, out);
-    if (out_spec == NULL)
-        goto notfast;
+    if (child != NULL) {
+        Py_INCREF(child);
+        out_spec = GET(child, out);
+        if (out_spec == NULL)
+            goto notfast;
+    }
+    else {
+        /* a miss: a template step's memo hit is taken here (child: the template's next node,
+         * out_spec: its memoised outputs), anything else (a real miss, an anchor, a first
+         * run at this s, leaving the template) is Python's */
+        if (PyErr_Occurred() || TemplateT == NULL)
+            goto notfast_maybe_err;
+        int ts = tpl_step(node, tr, key, &sym_state, &sym_outs, &sym_keys, &child, &out_spec);
+        if (ts != 1)
+            goto notfast_maybe_err;
+    }
 
     /* Would _note_writes arm the read guard? Then Python records the op. */
     writes = GET(spec, writes);
@@ -1002,6 +1146,9 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
             if (PyList_Append(scal, c.scalars[q]) < 0)
                 err = 1;
         Py_XDECREF(scal);
+        if (sym_state != NULL && !err) /* shapes.step: state.outs, state.keys, M.sym_ops */
+            err = PyList_Append(sym_outs, out_spec) < 0 || PyList_Append(sym_keys, key) < 0 ||
+                  bump(s_sym_ops, &f_sym_ops) < 0;
         if (err || SET(tr, node, child) < 0) {
             Py_XDECREF(next_slots);
             goto failed;
@@ -1026,6 +1173,11 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     if (eset(eng, ed, s_busy, Py_False) < 0)
         goto failed;
     n_fast++;
+    if (sym_state != NULL)
+        n_sym++;
+    Py_XDECREF(sym_state);
+    Py_XDECREF(sym_outs);
+    Py_XDECREF(sym_keys);
     Py_DECREF(spec);
     Py_DECREF(eng);
     Py_XDECREF(ed);
@@ -1073,6 +1225,9 @@ notfast_clean:
     if (busy_set && eset(eng, ed, s_busy, Py_False) < 0)
         PyErr_Clear();
 cleanup:
+    Py_XDECREF(sym_state);
+    Py_XDECREF(sym_outs);
+    Py_XDECREF(sym_keys);
     Py_XDECREF(spec);
     Py_XDECREF(eng);
     Py_XDECREF(ed);
@@ -1121,17 +1276,17 @@ hot_dispatch(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t nargsf
 static PyObject *
 hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
 {
-    if (n != 16) {
+    if (n != 16 && n != 18) {
         PyErr_SetString(PyExc_TypeError,
                         "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, "
                         "set_bits, METRICS, NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, "
-                        "OpSpec, Engine)");
+                        "OpSpec, Engine[, Template, SymTrace])");
         return NULL;
     }
     if (!PyType_Check(av[0]) || !PyType_Check(av[1]) || !PyType_Check(av[2]) ||
         !PyType_Check(av[3]) || !PyList_CheckExact(av[4]) || !PyDict_CheckExact(av[8]) ||
         !PyType_Check(av[12]) || !PyType_Check(av[13]) || !PyType_Check(av[14]) ||
-        !PyType_Check(av[15])) {
+        !PyType_Check(av[15]) || (n == 18 && (!PyType_Check(av[16]) || !PyType_Check(av[17])))) {
         PyErr_SetString(PyExc_TypeError, "init: unexpected argument types");
         return NULL;
     }
@@ -1163,6 +1318,28 @@ hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
     fast_init(&f_ops_deferred, (PyObject *)Py_TYPE(av[7]), "ops_deferred");
     Py_INCREF(av[15]);
     Py_XSETREF(EngineT, av[15]);
+    /* template steps (shapes.step's memo hit) only when given shapes' classes */
+    fast_init(&f_tr_sym, av[12], "sym");
+    fast_init(&f_node_sym, av[13], "sym");
+    fast_init(&f_sym_ops, (PyObject *)Py_TYPE(av[7]), "sym_ops");
+    if (n == 18) {
+        fast_init(&f_tpl_dead, av[16], "dead");
+        fast_init(&f_tpl_steps, av[16], "steps");
+        fast_init(&f_tpl_nodes, av[16], "nodes");
+        fast_init(&f_tpl_memo, av[16], "memo");
+        fast_init(&f_st_tpl, av[17], "tpl");
+        fast_init(&f_st_s, av[17], "s");
+        fast_init(&f_st_outs, av[17], "outs");
+        fast_init(&f_st_keys, av[17], "keys");
+        Py_INCREF(av[16]);
+        Py_XSETREF(TemplateT, av[16]);
+        Py_INCREF(av[17]);
+        Py_XSETREF(SymTraceT, av[17]);
+    }
+    else {
+        Py_CLEAR(TemplateT);
+        Py_CLEAR(SymTraceT);
+    }
     ready = 1;
     Py_RETURN_NONE;
 }
@@ -1170,18 +1347,19 @@ hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
 static PyObject *
 hot_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
-    Fast *fs[] = {&f_ops, &f_ext_ids, &f_last, &f_scalars, &f_node, &f_n_slots, &f_refs, &f_children, &f_out, &f_policy, &f_view_arg, &f_bool_index, &f_structural, &f_scalar_pos, &f_scalar_kw, &f_writes, &f_wrapper_args, &f_bits, &f_ops_intercepted, &f_ops_deferred};
+    Fast *fs[] = {&f_ops, &f_ext_ids, &f_last, &f_scalars, &f_node, &f_n_slots, &f_refs, &f_children, &f_out, &f_policy, &f_view_arg, &f_bool_index, &f_structural, &f_scalar_pos, &f_scalar_kw, &f_writes, &f_wrapper_args, &f_bits, &f_ops_intercepted, &f_ops_deferred,
+                  &f_tr_sym, &f_node_sym, &f_st_tpl, &f_st_s, &f_st_outs, &f_st_keys, &f_tpl_dead, &f_tpl_steps, &f_tpl_nodes, &f_tpl_memo, &f_sym_ops};
     Py_ssize_t direct = 0;
     for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++)
-        direct += fs[i]->off >= 0;
-    return Py_BuildValue("{snsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
-                         "direct_fields", direct);
+        direct += fs[i]->t != NULL && fs[i]->off >= 0;
+    return Py_BuildValue("{snsnsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
+                         "sym", n_sym, "direct_fields", direct);
 }
 
 static PyObject *
 hot_reset_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
-    n_fast = n_slow = n_fault = 0;
+    n_fast = n_slow = n_fault = n_sym = 0;
     Py_RETURN_NONE;
 }
 
@@ -1191,11 +1369,13 @@ static PyMethodDef methods[] = {
      "common case of recording an op on a known trace done in C (Note [C accelerator])."},
     {"init", (PyCFunction)(void (*)(void))hot_init, METH_FASTCALL,
      "init(LazyTensor, Tensor, Parameter, Meta, SLOTS, make_wrapper, set_bits, METRICS, "
-     "NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, OpSpec, Engine): the engine's "
-     "objects, once."},
+     "NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, OpSpec, Engine[, Template, "
+     "SymTrace]): the engine's objects, once (without shapes' classes template steps are "
+     "left to Python)."},
     {"stats", hot_stats, METH_NOARGS,
-     "Ops recorded in C (fast), handed to the Python path (slow), errors met while checking "
-     "(faults: the Python path then ran the op), __slots__ fields read at their offsets."},
+     "Ops recorded in C (fast; sym: of those, template steps), handed to the Python path "
+     "(slow), errors met while checking (faults: the Python path then ran the op), __slots__ "
+     "fields read at their offsets."},
     {"reset_stats", hot_reset_stats, METH_NOARGS, "Zero the counters of stats()."},
     {NULL, NULL, 0, NULL},
 };
@@ -1246,5 +1426,15 @@ PyInit__hot(void)
     INTERN(s_bool_index, "bool_index");
     INTERN(s_ops_intercepted, "ops_intercepted");
     INTERN(s_ops_deferred, "ops_deferred");
+    INTERN(s_sym, "sym");
+    INTERN(s_tpl, "tpl");
+    INTERN(s_s, "s");
+    INTERN(s_outs, "outs");
+    INTERN(s_keys, "keys");
+    INTERN(s_dead, "dead");
+    INTERN(s_steps, "steps");
+    INTERN(s_nodes, "nodes");
+    INTERN(s_memo, "memo");
+    INTERN(s_sym_ops, "sym_ops");
     return PyModule_Create(&module_def);
 }

@@ -234,7 +234,8 @@ class Engine:
         grad mode of an op whose kernel reads it (Note [grad-mode kernels]).
 
         The C accelerator (Note [C accelerator] in _hot.c) records the common case without
-        calling this: a change here must be made there too (tests/test_accel.py compares them).
+        calling this (a trie hit, or a memoised template step: shapes.step's non-anchor memo
+        hit): a change here must be made there too (tests/test_accel.py compares them).
         """
         self.busy = True  # Note [threads and lazy tensors]: announce, then look
         if self.foreign:

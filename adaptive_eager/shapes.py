@@ -681,7 +681,11 @@ def _prune_static(tpl: Template) -> int:
 # ---- recording (called from engine.record on a trie miss) --------------------------------
 def step(tr: Any, node: TrieNode, key: tuple) -> Any:
     """Output metadata for ``key`` from a template at ``node``, or _MISSING (tr.node moved to a
-    detached node when the trace leaves a template: static paths never hang below one)."""
+    detached node when the trace leaves a template: static paths never hang below one).
+
+    The C accelerator takes the common case itself, without calling this (Note [C accelerator]
+    in _hot.c): a non-anchor step of the trace's own live template whose memo holds this key
+    (``tpl.memo[s][i][0] == key``); a change to that case must be made there too."""
     sym = node.sym
     if type(sym) is list:  # an anchor
         for tpl in sym:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import config
+from adaptive_eager import config, shapes
 from adaptive_eager.dispatch import mode
 from adaptive_eager.dispatch.lazy import LazyTensor
 from adaptive_eager.engine import Engine, owned_engine
@@ -188,9 +188,26 @@ def optimizer_step() -> Step:
     return step
 
 
+def factories() -> Step:
+    """Ops with no tensor argument at all (arange, full, zeros, scalar_tensor): not host-scalar
+    ops, so C records them; and a real tensor beside them (C leaves that op to Python)."""
+    a = torch.randn(3, 5)
+
+    def step() -> Any:
+        r = torch.arange(5, dtype=torch.float32)
+        f = torch.full((3, 5), 0.25)
+        z = torch.zeros(3, 1, dtype=torch.float64)
+        m = torch.where(a > 0, a, torch.tensor(0.5))
+        out = (m * r + f).sum(1, keepdim=True) + z
+        return [out, torch.ones(2, 2).cumsum(0), torch.arange(2, 9, 3)]
+
+    return step
+
+
 PROGRAMS = {"add_chain": add_chain, "mixed_chain": mixed_chain, "inplace_ops": inplace_ops,
             "kwargs_and_lists": kwargs_and_lists, "multi_outputs": multi_outputs,
-            "module_fwd_bwd": module_fwd_bwd, "optimizer_step": optimizer_step}
+            "module_fwd_bwd": module_fwd_bwd, "optimizer_step": optimizer_step,
+            "factories": factories}
 ROUNDS = 4  # the first records misses (Python); the later ones hit the trie (C)
 
 
@@ -215,6 +232,22 @@ def _path_keys(tr: Any) -> tuple:
     return tuple(reversed(keys)) + tuple(tr.off_keys)
 
 
+def _out_key(o: Any) -> Any:
+    return tuple(_out_key(x) for x in o) if type(o) in (list, tuple) else getattr(o, "key", o)
+
+
+def _sym_state(tr: Any) -> Any:
+    """What the trace took from a template (shapes.SymTrace), comparable across runs."""
+    st = tr.sym
+    if st is None:
+        return None
+    tpl = st.tpl
+    return {"tpl": None if tpl is None else (tpl.label(), len(tpl.steps), tuple(tpl.seen),
+                                             tpl.dead),
+            "s": st.s, "first": st.first, "keys": list(st.keys),
+            "outs": [_out_key(o) for o in st.outs], "preds": len(st.preds)}
+
+
 def _snapshot(tr: Any) -> dict:
     ops = [(str(op), type(margs).__name__, _norm(margs, tr),
             (kw is mode._NO_KWARGS, tuple((k, _norm(v, tr)) for k, v in kw.items())), slots)
@@ -226,25 +259,28 @@ def _snapshot(tr: Any) -> dict:
         "scalars": [(type(v).__name__, v) for v in tr.scalars], "last": list(tr.last),
         "n_slots": tr.n_slots, "n_refs": len(tr.refs), "live": live, "n_ext": len(tr.ext),
         "groups": sorted(tr.groups.values()), "grad_ops": dict(tr.grad_ops),
-        "off_outs": [getattr(o, "key", o) for o in tr.off_outs],
+        "off_outs": [getattr(o, "key", o) for o in tr.off_outs], "sym": _sym_state(tr),
+        "node_is_template": tr.node is not None and type(tr.node.sym) is tuple,
     }
 
 
 _COUNTERS = ("ops_intercepted", "ops_deferred", "ops_eager", "flushes", "trace_hits",
              "trace_misses", "fallbacks", "meta_misses", "engine_errors", "replay_errors",
-             "guard_arms", "guard_disarms", "flush_reasons", "fallback_ops")
+             "guard_arms", "guard_disarms", "flush_reasons", "fallback_ops", "sym_learned",
+             "sym_ops", "sym_hits", "sym_left", "sym_verified", "sym_guard_fallbacks",
+             "sym_mispredicted", "sym_dims")
 
 
-def _run(make: Callable[[], Step], accel: bool | None,
-         monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, dict]:
-    """Results of ROUNDS rounds (plain eager when ``accel`` is None), the traces flushed, and
-    the counters; caches and counters start empty."""
+def _run(make: Callable[[], Step], accel: bool | None, monkeypatch: pytest.MonkeyPatch,
+         rounds: int = ROUNDS, **opts: Any) -> tuple[list, list, dict]:
+    """Results of ``rounds`` rounds (plain eager when ``accel`` is None), the traces flushed,
+    and the counters; caches and counters start empty."""
     ae.clear_caches()
     ae.reset_metrics()
     torch.manual_seed(1234)
     step = make()
     if accel is None:
-        return [to_plain(step()) for _ in range(ROUNDS)], [], {}
+        return [to_plain(step()) for _ in range(rounds)], [], {}
     traces: list[dict] = []
     finish = Engine._finish
 
@@ -254,8 +290,8 @@ def _run(make: Callable[[], Step], accel: bool | None,
 
     monkeypatch.setattr(Engine, "_finish", observed)
     outs = []
-    with ae.adaptive_eager(backend="replay", step_aside=False, accel=accel):
-        for _ in range(ROUNDS):
+    with ae.adaptive_eager(backend="replay", step_aside=False, accel=accel, **opts):
+        for _ in range(rounds):
             outs.append(step())
             ae.sync()
     monkeypatch.setattr(Engine, "_finish", finish)
@@ -300,6 +336,29 @@ def test_most_ops_of_a_known_chain_record_in_c() -> None:
     # 40 adds: the first (a real input, the mode's early exits) goes to Python; sync's
     # own calls are not recorded ops
     assert stats["fast"] == 39, stats
+
+
+@needs_hot
+def test_ops_with_no_tensor_argument_record_in_c() -> None:
+    """Factory ops (no tensor argument: not host-scalar ops, mode.is_host_scalar_op) on a known
+    trace are recorded in C like any trie hit."""
+    def step() -> Any:
+        r = torch.arange(5, dtype=torch.float32)
+        f = torch.full((5,), 0.25)
+        return (r + f) * torch.zeros(5) + torch.ones(5, dtype=torch.float64)
+
+    with ae.adaptive_eager(backend="replay", step_aside=False):
+        for _ in range(3):
+            step()
+            ae.sync()
+        _hot.reset_stats()
+        n0 = ae.metrics()["ops_intercepted"]
+        got = step()
+        ae.sync()
+        n = ae.metrics()["ops_intercepted"] - n0
+        stats = _hot.stats()
+    assert n == 7 and stats["fast"] == n and stats["slow"] == 0, (n, stats)
+    assert_equal_tree(to_plain(got), step())
 
 
 @needs_hot
@@ -442,3 +501,233 @@ def test_a_kwargs_dict_that_grows_while_walked_does_not_overrun_the_key() -> Non
     ''')
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+
+
+# ---- symbolic templates (Note [symbolic dims] in shapes.py) ----------------------------------
+# Sizes before 11 teach the families and the template (three whole traces); later ones run on it.
+# The first run at each s matches the template's patterns in Python and fills its memo (Note
+# [template memo]); the second at that s takes every step after the anchor in C.
+SIZES = [5, 7, 9, 11, 13, 6, 8, 10, 20, 20, 33, 33, 7, 7, 20]
+
+
+def varlen(sizes: list[int] = SIZES, during: Callable[[int, int], None] | None = None) -> Step:
+    """A size-varying program, one size per round: x is its only external (its first use is
+    the template's anchor and goes to Python); every other op reads pending lazy tensors or
+    no tensor at all. ``during(round, T)`` runs in the middle of each round's trace."""
+    xs = [torch.randn(2, t, 16, generator=torch.Generator().manual_seed(t)) for t in sizes]
+    it = iter(range(len(sizes)))
+
+    def step() -> Any:
+        r = next(it)
+        x = xs[r]
+        B, T, C = x.shape
+        h = x * 2
+        h = h + torch.arange(T).view(1, T, 1)
+        y = h.softmax(-1).sum(1)
+        if during is not None:
+            during(r, T)
+        z = torch.cat([h, h.neg()], dim=1).mean(1)
+        q = torch.full((B, T), 0.5).unsqueeze(-1) * h
+        mx, ix = q.max(dim=1)
+        return [y + z + mx, ix, h.transpose(1, 2).reshape(B * C, T)[:, 1:T - 1]]
+
+    return step
+
+
+def _compare_paths(make: Callable[[], Step], rounds: int, monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[dict, list, dict]:
+    """Eager, C and Python runs of ``make``: results bitwise equal to eager, the same traces
+    (keys, ops, slots, metadata, SymTrace state) and counters. The C run's stats."""
+    expected, _, _ = _run(make, None, monkeypatch, rounds)
+    _hot.reset_stats()
+    got_c, traces_c, counters_c = _run(make, True, monkeypatch, rounds, disk_cache=False)
+    stats = _hot.stats()
+    got_py, traces_py, counters_py = _run(make, False, monkeypatch, rounds, disk_cache=False)
+    assert _hot.stats() == stats
+    assert stats["faults"] == 0, stats
+    assert_equal_tree(expected, got_c)
+    assert_equal_tree(expected, got_py)
+    assert len(traces_c) == len(traces_py)
+    for i, (tc, tp) in enumerate(zip(traces_c, traces_py)):
+        for field in tc:
+            assert tc[field] == tp[field], (i, field)
+    assert counters_c == counters_py
+    assert counters_c["engine_errors"] == 0 and counters_c["sym_mispredicted"] == 0
+    return stats, traces_c, counters_c
+
+
+@needs_hot
+def test_c_and_python_paths_record_the_same_template_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stats, traces, counters = _compare_paths(varlen, len(SIZES), monkeypatch)
+    assert counters["sym_learned"] >= 1 and counters["sym_hits"] >= 5, counters
+    on_tpl = [t for t in traces if t["sym"] is not None and t["sym"]["tpl"] is not None]
+    assert len(on_tpl) >= 7 and all(t["node_is_template"] for t in on_tpl)
+    assert stats["sym"] > 0, stats  # template steps were taken in C
+
+
+@needs_hot
+def test_template_steps_are_taken_in_c_once_memoised() -> None:
+    """The first run at an s matches in Python (it fills the memo); the second runs every
+    template step after the anchor in C, and M.sym_ops counts them as on the Python path."""
+    sizes = [5, 7, 9, 11, 13, 6, 8, 10, 24, 24]
+    eager = varlen(sizes)
+    expected = [to_plain(eager()) for _ in sizes]
+    step = varlen(sizes)
+    per: list[tuple[dict, int, int]] = []
+    outs = []
+    with ae.adaptive_eager(backend="replay", step_aside=False, disk_cache=False):
+        for _ in sizes:
+            _hot.reset_stats()
+            m0 = ae.metrics()
+            outs.append(step())
+            ae.sync()
+            m1 = ae.metrics()
+            per.append((_hot.stats(), m1["sym_ops"] - m0["sym_ops"],
+                        m1["ops_intercepted"] - m0["ops_intercepted"]))
+        assert ae.metrics()["engine_errors"] == 0
+    assert_equal_tree(expected, [to_plain(o) for o in outs])
+    first, second = per[-2], per[-1]
+    assert first[1] == second[1] == first[2] > 10, per  # every op of the trace on the template
+    assert first[0]["sym"] == 0, per  # a new s: Python matches the patterns
+    # the second time at s = 24: every op but the anchor (x's first use: Python) in C
+    assert second[0]["sym"] == second[1] - 1 == second[0]["fast"], per
+    assert second[0]["faults"] == 0, per
+
+
+_LEARN8 = SIZES[:8]
+
+
+def _tracking(sizes: list[int], act: Callable[[int, int], None]
+              ) -> tuple[Callable[[], Step], list[list[int]]]:
+    """``make`` for varlen whose mid-trace hook notes ``_hot.stats()["sym"]`` (one list per run)
+    and then calls ``act(round, T)``."""
+    runs: list[list[int]] = []
+
+    def make() -> Step:
+        marks: list[int] = []
+        runs.append(marks)
+
+        def during(r: int, t: int) -> None:
+            marks.append(_hot.stats()["sym"])
+            act(r, t)
+
+        return varlen(sizes, during)
+
+    return make, runs
+
+
+@needs_hot
+def test_a_memo_entry_for_another_key_goes_to_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memo[i][0] != key`` (the memo holds another key for this step): C hands the op to
+    Python, which matches the step's pattern and memoises the new key; the traces, counters and
+    results are the pure-Python path's and eager's."""
+    sizes = _LEARN8 + [20, 20, 20, 20]
+
+    def tamper(r: int, t: int) -> None:
+        if r != 9 or not ae.is_enabled():  # not the eager run
+            return
+        eng = owned_engine()
+        assert eng is not None
+        st = eng.trace.sym
+        assert st is not None and st.tpl is not None
+        for tpl in shapes.STATE.templates:
+            memo = tpl.memo.get(t, {})
+            for i in [i for i in memo if i >= len(st.keys)]:  # the steps still to come
+                memo[i] = (memo[i][0] + ("another key",), memo[i][1])
+
+    make, runs = _tracking(sizes, tamper)
+    stats, _, counters = _compare_paths(make, len(sizes), monkeypatch)
+    m = runs[1]  # the C run: template steps taken in C by each round's middle
+    assert m[8] == 0  # every s seen for the first time so far: Python
+    half = m[9] - m[8]  # the first half of round 9 (a memo hit at s = 20)
+    assert half > 0
+    assert m[10] - m[9] == half  # the tampered second half of round 9 went to Python
+    assert m[11] - m[10] > half  # round 10's second half and round 11's first: C again
+    for tpl in shapes.STATE.templates:  # Python memoised the real keys again
+        assert all(k[-1] != "another key" for k, _ in tpl.memo.get(20, {}).values())
+    assert counters["sym_left"] == 0 and stats["faults"] == 0
+
+
+@needs_hot
+def test_a_template_that_dies_mid_trace_goes_to_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template dropped (``dead``) while a trace runs on it: C takes none of its steps after
+    that, Python leaves the template (a static path) and results stay eager's."""
+    sizes = _LEARN8 + [20, 20, 20, 33]
+
+    def kill(r: int, t: int) -> None:
+        if r == 9 and ae.is_enabled():
+            for tpl in shapes.STATE.templates:
+                tpl.dead = True
+
+    make, runs = _tracking(sizes, kill)
+    stats, traces, counters = _compare_paths(make, len(sizes), monkeypatch)
+    m = runs[1]
+    assert m[9] - m[8] > 0  # round 9's first half: C
+    assert stats["sym"] == m[9]  # nothing after the template died
+    assert counters["sym_left"] >= 1
+    assert traces[-1]["sym"] is None or traces[-1]["sym"]["tpl"] is None
+
+
+@needs_hot
+def test_template_steps_in_c_leak_no_references() -> None:
+    """Template steps in C take and drop references to the template, its nodes, memo and
+    memoised metadata: counts are the same after 20 more traces at a memoised s."""
+    sizes = _LEARN8 + [24] * 24
+    step = varlen(sizes)
+    with ae.adaptive_eager(backend="replay", step_aside=False, disk_cache=False):
+        for _ in range(len(_LEARN8) + 4):
+            step()
+            ae.sync()
+        tpl = next(t for t in shapes.STATE.templates if 24 in t.memo)
+        memo = tpl.memo[24]
+        got = memo[3][1]
+        watched = (tpl, tpl.nodes[3], tpl.nodes[-1], memo, memo[3], got, tpl.steps,
+                   aten.add.Tensor._ae_spec, mode._NO_KWARGS)
+        gc.collect()
+        before = [sys.getrefcount(o) for o in watched]
+        s0 = _hot.stats()["sym"]
+        for _ in range(20):
+            step()
+            ae.sync()
+        gc.collect()
+        after = [sys.getrefcount(o) for o in watched]
+        n = _hot.stats()["sym"] - s0
+    assert n == 20 * (len(tpl.steps) - 1), n  # every step after the anchor, every trace
+    assert before == after
+
+
+def _init_args() -> tuple:
+    """mode.py's arguments to _hot.init, without shapes' classes."""
+    from adaptive_eager.cache.memory import TrieNode
+    from adaptive_eager.dispatch.opspec import OpSpec
+    from adaptive_eager.trace import Trace
+
+    return (LazyTensor, torch.Tensor, torch.nn.Parameter, mode.Meta, SLOTS,
+            torch.Tensor._make_wrapper_subclass, mode._set_bits, mode.M, mode._NO_KWARGS,
+            mode._TO_COPY, mode.DEFER, mode.DeferMode.__dict__["__torch_dispatch__"], Trace,
+            TrieNode, OpSpec, Engine)
+
+
+@needs_hot
+def test_init_without_shapes_classes_leaves_template_steps_to_python() -> None:
+    """An init without Template and SymTrace (an older mode.py) keeps the trie-hit fast path
+    and hands every template step to Python."""
+    sizes = _LEARN8 + [24, 24]
+    eager = varlen(sizes)
+    expected = [to_plain(eager()) for _ in sizes]
+    step = varlen(sizes)
+    outs = []
+    _hot.init(*_init_args())
+    try:
+        with ae.adaptive_eager(backend="replay", step_aside=False, disk_cache=False):
+            for _ in sizes:
+                _hot.reset_stats()
+                outs.append(step())
+                ae.sync()
+            stats = _hot.stats()
+            sym_ops = ae.metrics()["sym_ops"]
+    finally:
+        _hot.init(*_init_args(), shapes.Template, shapes.SymTrace)
+    assert sym_ops > 0 and stats["sym"] == 0 and stats["fast"] == 0, stats
+    assert_equal_tree(expected, [to_plain(o) for o in outs])

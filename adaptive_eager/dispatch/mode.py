@@ -151,12 +151,14 @@ except ImportError:
 if _hot is not None:
     from adaptive_eager.cache.memory import TrieNode
     from adaptive_eager.dispatch.opspec import OpSpec
+    from adaptive_eager.shapes import SymTrace, Template
     from adaptive_eager.trace import Trace
 
-    try:
+    try:  # shapes' classes: C takes memoised template steps too (Note [C accelerator])
         _hot.init(LazyTensor, _T, torch.nn.Parameter, Meta, SLOTS, _T._make_wrapper_subclass,
                   _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER,
-                  DeferMode.__dict__["__torch_dispatch__"], Trace, TrieNode, OpSpec, Engine)
+                  DeferMode.__dict__["__torch_dispatch__"], Trace, TrieNode, OpSpec, Engine,
+                  Template, SymTrace)
     except Exception as err:  # an extension built from other sources: the Python path runs
         import logging
 
