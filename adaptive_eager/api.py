@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.dispatch.mode import install_hooks as mode_hooks
 from adaptive_eager.dispatch.opspec import SPECS
-from adaptive_eager.engine import Engine, owned_engine
+from adaptive_eager.engine import _OWNED, Engine
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
 
@@ -32,12 +33,12 @@ log = logging.getLogger("adaptive_eager")
 class _ThreadState(threading.local):
     engine: Engine | None = None
     presence: Presence | None = None
-    depth: int = 0
     enabled_ctx: "EngineContext | None" = None
     # The last outermost context's presence (and engine), kept for the next context with the
-    # same options: Note [contexts are rounds] in aside.py.
+    # same options: Note [contexts are rounds] in aside.py. Its ``generation`` is the
+    # ``_generation`` it was made in. (Nesting is counted per context object, not here: each
+    # thread-local access costs more than an attribute.)
     standing: Presence | None = None
-    standing_generation: int = 0
 
 
 _state = _ThreadState()
@@ -52,8 +53,22 @@ _generation = 0  # bumped by clear_caches(): every thread's standing presence is
 # keywords), the thread's engine is kept while the options stay the same, the logger is set only
 # when its level changes, and the run log is written at the first exit, then at most once per
 # RUN_LOG_EVERY_S, and at process exit.
+# Session 7 (issue 13's context loop, 1.19x eager): the environment is still checked at every
+# context, exactly, but against the last resolution only (``_last``), with no tuple built or
+# hashed. Keys are only ever added to a dict at its end (insertion order), and os.environ stores
+# a fresh bytes object per key set, so "no key was added or re-added since" holds while
+# ``len(os.environ._data)`` and the identity of its last key are unchanged (keys shorter than 2
+# bytes can be shared objects: then every ADAPTIVE_EAGER_* key is looked up, as ``isdisjoint``);
+# the ADAPTIVE_EAGER_* variables set then must still have their values (one ``itemgetter`` call,
+# compared by identity mostly). The keywords are compared as a dict, and their types (``hot_after=True``
+# is not ``hot_after=1``). Anything else goes the old way: the table keyed by the full snapshot.
+# The context object has slots and keeps its nesting in an int; ``adaptive_eager()`` builds it
+# without a second keyword dict; entering and leaving test the standing presence inline. Before,
+# 23 environment reads, a sorted keyword tuple and a 25-item hash were about a third of a
+# context's cost.
 RUN_LOG_EVERY_S = 2.0
 _ENV_KEYS = tuple(s.env for s in config.SETTINGS)
+_environ = os.environ
 _env_data = getattr(os.environ, "_data", None)  # CPython's raw mapping behind os.environ
 _env_keys_raw: tuple[Any, ...] | None = None
 if isinstance(_env_data, dict):
@@ -63,6 +78,11 @@ if isinstance(_env_data, dict):
         _env_keys_raw = None
 _RESOLVED: dict[tuple, config.Options] = {}
 _configured_level: Any = None
+# The last resolution, for the fast check: (keywords, their types, Options, a getter of the
+# ADAPTIVE_EAGER_* keys set and their values or None, the raw keys absent, len of the raw
+# environ, its last key); the last three are None where os.environ has no raw dict (then slot 3
+# is the snapshot tuple).
+_last: tuple | None = None
 
 
 def _env_snapshot() -> tuple:
@@ -74,8 +94,27 @@ def _env_snapshot() -> tuple:
 
 def resolve_options(options: dict[str, Any]) -> config.Options:
     """``config.resolve(options)``, memoized on the relevant environment and the keywords."""
+    last = _last
+    if last is not None:
+        kw, types, hit, present, absent, size, last_key = last
+        if kw == options and (not options or tuple(map(type, options.values())) == types):
+            if absent is not None:
+                data = _env_data
+                if (os.environ is _environ
+                        and (len(data) == size and next(reversed(data), None) is last_key  # type: ignore
+                             or _relast(last, data))  # type: ignore[arg-type]
+                        and (present is None or _present_same(present, data))):
+                    return hit
+            elif _env_snapshot() == present:
+                return hit
+    return _resolve_memo(options)
+
+
+def _resolve_memo(options: dict[str, Any]) -> config.Options:
+    global _last
+    snap = _env_snapshot()
     try:
-        key = (_env_snapshot(), tuple(sorted(options.items())) if options else ())
+        key = (snap, tuple(sorted((k, type(v), v) for k, v in options.items())))
         hash(key)
     except TypeError:  # an unhashable keyword value: config.resolve says what is wrong with it
         return config.resolve(options)
@@ -85,7 +124,50 @@ def resolve_options(options: dict[str, Any]) -> config.Options:
         if len(_RESOLVED) > 64:
             _RESOLVED.clear()
         _RESOLVED[key] = hit
+    types = tuple(map(type, options.values()))
+    data = _env_data
+    if _env_keys_raw is not None and os.environ is _environ and data is _environ._data:  # type: ignore
+        pairs = tuple(zip(_env_keys_raw, snap))
+        keys = tuple(k for k, v in pairs if v is not None)
+        present = None
+        if keys:
+            get = operator.itemgetter(*keys)
+            present = (get, get(data))
+        _last = (dict(options), types, hit, present,
+                 frozenset(k for k, v in pairs if v is None), len(data),  # type: ignore
+                 _last_key(data))  # type: ignore[arg-type]
+    else:
+        _last = (dict(options), types, hit, snap, None, None, None)
     return hit
+
+
+_NO_KEY = object()  # never a key: the last-key shortcut is off, every absent key is looked up
+
+
+def _present_same(present: tuple, data: dict) -> bool:
+    """The ADAPTIVE_EAGER_* variables set at the last resolution still have their values (one
+    C call; the values are mostly the very objects, so the comparison is by identity)."""
+    get, values = present
+    try:
+        return get(data) == values
+    except KeyError:
+        return False
+
+
+def _last_key(data: dict) -> Any:
+    key = next(reversed(data), None)
+    return key if key is not None and len(key) >= 2 else _NO_KEY
+
+
+def _relast(last: tuple, data: dict) -> bool:
+    """The raw environment's length or last key changed: whether every ADAPTIVE_EAGER_* key
+    absent at the last resolution still is (then the next check may be short again)."""
+    global _last
+    if not data.keys().isdisjoint(last[4]):
+        return False
+    if _last is last:
+        _last = (*last[:5], len(data), _last_key(data))
+    return True
 
 
 class EngineContext:
@@ -95,33 +177,40 @@ class EngineContext:
     Other threads are unaffected (the modes live on this thread's mode stack).
     """
 
+    __slots__ = ("options", "_outer")
+
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(options)  # validate now, at the user's line
-        self._entered: list[bool] = []
+        self._outer = 1  # a stack of bits above a sentinel 1: was each entry the outermost
 
     def __enter__(self) -> EngineContext:
         st = _state
-        outer = st.engine is None
-        if outer:
-            presence = _standing(self.options)
-            if presence is None:
-                _start_up(self.options)
-                engine = Engine(self.options)
-                presence = engine.presence = Presence(engine, (ReadGuardMode(engine),
-                                                               DeferMode(engine)))
-                _drop_standing()
-                st.standing, st.standing_generation = presence, _generation
+        if st.engine is None:
+            presence = st.standing
+            options = self.options
+            if presence is None or presence.generation != _generation:
+                presence = _new_presence(options)
+            else:
+                engine = presence.engine
+                if ((engine.options is not options and engine.options != options)
+                        or _OWNED.engine is not engine or engine.trace.ops):
+                    presence = _new_presence(options)
             presence.enter()  # pushes the modes unless this thread runs aside
             st.engine, st.presence = presence.engine, presence
-        st.depth += 1
-        self._entered.append(outer)
+            self._outer = self._outer << 1 | 1
+        else:
+            self._outer <<= 1
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         st = _state
-        outer = self._entered.pop()
-        engine = st.engine
+        bits = self._outer
+        if bits == 1:
+            raise RuntimeError("adaptive_eager: a context left more often than entered")
+        self._outer = bits >> 1
+        presence = st.presence  # set and cleared with st.engine, one thread-local read less
+        engine = presence.engine if presence is not None else st.engine
         try:
             if engine is not None:
                 engine.flush("exit")  # eager would have run everything before the exception
@@ -130,9 +219,7 @@ class EngineContext:
                 raise
             exc.add_note(f"adaptive_eager: flushing on exit also failed: {flush_err!r}")
         finally:
-            st.depth -= 1
-            if outer:
-                presence = st.presence
+            if bits & 1:
                 st.engine, st.presence = None, None
                 try:
                     if presence is not None:
@@ -141,7 +228,24 @@ class EngineContext:
                         else:
                             presence.close()
                 finally:
-                    _run_log_due(self.options)
+                    quiet = _run_log_quiet  # no run log due, this exit already marked pending
+                    if quiet[0] is not self.options or _monotonic() >= quiet[1]:
+                        _run_log_due(self.options)
+
+
+_new_context = object.__new__
+
+
+def _new_presence(options: config.Options) -> Presence:
+    """A new engine and presence for this thread, standing for the next contexts."""
+    st = _state
+    _drop_standing()
+    _start_up(options)
+    engine = Engine(options)
+    presence = engine.presence = Presence(engine, (ReadGuardMode(engine), DeferMode(engine)))
+    presence.generation = _generation
+    st.standing = presence
+    return presence
 
 
 def _start_up(options: config.Options) -> None:
@@ -157,21 +261,6 @@ def _start_up(options: config.Options) -> None:
         calibrate(options.lazy_guard)
 
 
-def _standing(options: config.Options) -> Presence | None:
-    """This thread's standing presence, if the next context can reuse it as it is."""
-    st = _state
-    presence = st.standing
-    if presence is None:
-        return None
-    engine = presence.engine
-    if (st.standing_generation != _generation
-            or (engine.options is not options and engine.options != options)
-            or owned_engine() is not engine or engine.trace.ops):
-        _drop_standing()
-        return None
-    return presence
-
-
 def _drop_standing() -> None:
     st = _state
     presence, st.standing = st.standing, None
@@ -179,6 +268,9 @@ def _drop_standing() -> None:
         presence.close()
 
 
+_monotonic = time.monotonic
+# (options, time): until then no run log is due for these options and they are marked pending
+_run_log_quiet: tuple[Any, float] = (None, 0.0)
 _run_log_at: dict[str, float] = {}  # cache folder -> when its run log was last written
 _run_log_dirty: dict[str, config.Options] = {}  # folders whose last exit was not yet written
 _atexit_installed = False
@@ -187,12 +279,13 @@ _atexit_installed = False
 def _run_log_due(options: config.Options) -> None:
     """Write the run log at the first exit and then at most every RUN_LOG_EVERY_S (Note [cheap
     contexts]); what is left is written at process exit."""
-    global _atexit_installed
+    global _atexit_installed, _run_log_quiet
     key = options.cache_dir or ""
-    now = time.monotonic()
+    now = _monotonic()
     last = _run_log_at.get(key)
     if last is not None and now - last < RUN_LOG_EVERY_S:
         _run_log_dirty[key] = options
+        _run_log_quiet = (options, last + RUN_LOG_EVERY_S)
         if not _atexit_installed:
             _atexit_installed = True
             atexit.register(_write_pending_run_logs)
@@ -237,7 +330,10 @@ def adaptive_eager(**options: Any) -> EngineContext:
     >>> y.tolist()
     [2.0, 2.0, 2.0]
     """
-    return EngineContext(**options)
+    ctx = _new_context(EngineContext)  # as EngineContext(**options), without a second dict
+    ctx.options = resolve_options(options)
+    ctx._outer = 1
+    return ctx
 
 
 def enable(**options: Any) -> None:

@@ -208,6 +208,7 @@ class Presence:
         self.asides_said = 0
         self.probing = False  # back in the engine for a probe, no verdict yet
         self.probes_in_vain = 0  # probes that ended aside again (Note [probes back off])
+        self.generation = 0  # api.py's clear_caches() generation this presence serves
 
     def activate(self) -> None:
         if not self.active:
@@ -238,19 +239,20 @@ class Presence:
         self.contexts += 1
         self.in_context = True
         opts = self.engine.options
-        if (self.contexts > 1 and opts.step_aside and self.ticks_from in (None, "forward")
-                and self.calls_in_context <= 1):
-            if self.ticks_from == "forward" and self.trial is not None:
+        ticks = self.ticks_from  # Note [cheap contexts] in api.py: "context" is the common case
+        if (ticks is None or ticks == "forward") and self.contexts > 1 and opts.step_aside \
+                and self.calls_in_context <= 1:
+            if ticks == "forward" and self.trial is not None:
                 self._time_anew()  # rounds change meaning
-            self.ticks_from = "context"
+            ticks = self.ticks_from = "context"
             self._remove_tick_hooks()
         self.calls_in_context = 0
-        if self.wants_modes():
+        if not (self.aside or self.waiting or self.trial == "eager"):  # wants_modes()
             self.activate()  # also installs the step hook and, where they are rounds, tick hooks
         else:
-            if (opts.step_flush or opts.step_aside) and self._step_hook is None:
+            if self._step_hook is None and (opts.step_flush or opts.step_aside):
                 self._step_hook = _StepHook.add(self)  # counts optimizer steps while aside
-            if opts.step_aside and self.ticks_from in (None, "forward"):
+            if (ticks is None or ticks == "forward") and opts.step_aside:
                 self._install_tick_hooks()
         if self.pending is not None:
             self._install_hooks()
@@ -267,7 +269,8 @@ class Presence:
             self.in_context = False  # the step hook stays registered (see _StepHook)
             if self._tick_hooks:
                 self._remove_tick_hooks()
-            self.deactivate()
+            if self.active:
+                self.deactivate()
             if self._hooks:
                 self._remove_hooks()
 
@@ -358,7 +361,7 @@ class Presence:
                 log.info("adaptive_eager: compiles done; back in the engine")
         elif self.aside:
             self.steps_aside += 1
-            every = self.probe_interval()
+            every = self.engine.options.probe_every << self.probes_in_vain  # probe_interval()
             if every and self.steps_aside >= every:
                 self.aside = False
                 self.probing = True
