@@ -59,9 +59,10 @@ _generation = 0  # bumped by clear_caches(): every thread's standing presence is
 # a fresh bytes object per key set, so "no key was added or re-added since" holds while
 # ``len(os.environ._data)`` and the identity of its last key are unchanged (keys shorter than 2
 # bytes can be shared objects: then every ADAPTIVE_EAGER_* key is looked up, as ``isdisjoint``);
-# the ADAPTIVE_EAGER_* variables set then must still have their values (one ``itemgetter`` call,
-# compared by identity mostly). The keywords are compared as a dict, and their types (``hot_after=True``
-# is not ``hot_after=1``). Anything else goes the old way: the table keyed by the full snapshot.
+# the ADAPTIVE_EAGER_* variables set then must still have their values (one ``itemgetter``
+# call, compared by identity mostly). The keywords are compared as a dict, and their types
+# (``hot_after=True`` is not ``hot_after=1``). Anything else goes the old way: the table keyed by
+# the full snapshot.
 # The context object has slots and keeps its nesting in an int; ``adaptive_eager()`` builds it
 # without a second keyword dict; entering and leaving test the standing presence inline. Before,
 # 23 environment reads, a sorted keyword tuple and a 25-item hash were about a third of a
@@ -100,8 +101,9 @@ def resolve_options(options: dict[str, Any]) -> config.Options:
         if kw == options and (not options or tuple(map(type, options.values())) == types):
             if absent is not None:
                 data = _env_data
-                if (os.environ is _environ
-                        and (len(data) == size and next(reversed(data), None) is last_key  # type: ignore
+                if (os.environ is _environ and _environ._data is data  # type: ignore[attr-defined]
+                        and (len(data) == size  # type: ignore[arg-type]
+                             and next(reversed(data), None) is last_key  # type: ignore
                              or _relast(last, data))  # type: ignore[arg-type]
                         and (present is None or _present_same(present, data))):
                     return hit
@@ -126,7 +128,8 @@ def _resolve_memo(options: dict[str, Any]) -> config.Options:
         _RESOLVED[key] = hit
     types = tuple(map(type, options.values()))
     data = _env_data
-    if _env_keys_raw is not None and os.environ is _environ and data is _environ._data:  # type: ignore
+    if (_env_keys_raw is not None and os.environ is _environ
+            and data is _environ._data):  # type: ignore[attr-defined]
         pairs = tuple(zip(_env_keys_raw, snap))
         keys = tuple(k for k, v in pairs if v is not None)
         present = None
