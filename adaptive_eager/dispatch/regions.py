@@ -34,7 +34,9 @@ function, ``torch._dynamo.optimize`` too) and ``OptimizedModule.__call__`` (ever
 made before or after) are wrapped as well, and every Dynamo context gets one enter hook: a safety
 net for functions compiled before this package was imported, which flushes and leaves the
 engine's modes for the call but sees neither arguments nor outputs. With no engine active on the
-thread each of these costs one read of the dispatch-stack length.
+thread each of these costs one read of the dispatch-stack length. ``torch.export.export`` is
+wrapped the same way (``export_call``): inside an engine it flushes and exports with the engine's
+modes off, so its fake-tensor tracing never meets the DeferMode.
 """
 
 from __future__ import annotations
@@ -256,7 +258,38 @@ def region_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return region
 
 
-_installed = {"compile": False, "dynamo": False}
+def export_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``torch.export.export``: export traces the module with its own fake tensors, which
+    under the engine's DeferMode would be recorded (or refused); inside an active engine the
+    pending trace is flushed, lazy arguments become their values and the export runs with the
+    engine's modes off, as outside it. The exported program reads no lazy tensor: its graph
+    is the one made outside the engine."""
+    if getattr(fn, "_ae_region", False):
+        return fn
+
+    @functools.wraps(fn)
+    def export(*args: Any, **kwargs: Any) -> Any:
+        if _len_dispatch():
+            engine = active_engine()
+            if engine is not None:
+                engine.flush("compiled_region")
+                M.fallbacks += 1
+                M.fallback_ops["torch.export"] += 1
+                from torch.utils._pytree import tree_map
+
+                def real(a: Any) -> Any:  # example inputs: values, no autograd bridge
+                    return materialize(a) if type(a) is LazyTensor else a
+
+                rargs, rkwargs = tree_map(real, args), tree_map(real, kwargs)
+                with engine_modes_off():
+                    return fn(*rargs, **rkwargs)
+        return fn(*args, **kwargs)
+
+    export._ae_region = True  # type: ignore[attr-defined]
+    return export
+
+
+_installed = {"compile": False, "dynamo": False, "export": False}
 _install_lock = threading.RLock()  # two threads starting engines must not patch twice
 
 
@@ -281,6 +314,14 @@ def _install() -> None:
 
         compile._ae_original = original  # type: ignore[attr-defined]
         torch.compile = compile  # type: ignore[assignment]
+    if not _installed["export"]:
+        _installed["export"] = True
+        export_mod = sys.modules.get("torch.export")  # imported by ``import torch``
+        if export_mod is not None:
+            for name in ("export", "export_for_training"):
+                fn = getattr(export_mod, name, None)
+                if callable(fn):
+                    setattr(export_mod, name, export_call(fn))
     if "torch._dynamo.eval_frame" in sys.modules:
         _install_dynamo()
 
