@@ -202,16 +202,20 @@ def _not_specialized(fakes: list[Any], stage: str) -> None:
 # inputs that follow s, and ``s0 <= 4096`` from the CPU codegen choosing a sum kernel without
 # its chunked accumulator, ``need_use_acc_helper``), plus the value range of each symbol
 # (``var_to_range``: sizes are assumed >= 2, the 0/1 specialization) and the symbols it unified
-# (``replacements``). The AOT artifact checks none of them when called (its bundled callable
-# has no guards; Dynamo's would be the caller's), so the engine must. ``shape_guards`` turns
+# (``replacements``). Which guards there are depends on that compile's code generation (the
+# 4096 bound appears only where the sum kernel weighed its accumulator): the set is per
+# program, which is why it is kept with the program. The AOT artifact checks none of them
+# when called (its bundled callable has no guards; Dynamo's would be the caller's), so the
+# engine must. ``shape_guards`` turns
 # them, right after the compile and in the process that compiled, into data: each symbol is
 # located as (size | stride | offset, input, dim) of the program's inputs, and each guard is a
 # small tree of ints, symbol references and the operators + * // % cdiv pow min max, the
 # relations == != < <= > >= and and/or/not. Every other symbolic property of an input
 # becomes an equality too: a dim that duck sizing gave another dim's symbol (equal at compile
 # time, assumed equal ever after, with no entry in ``guards``: Dynamo's produce_guards would
-# emit it as a source equality) and a stride such as 16*s (contiguity). Anything else (a rational coefficient, an
-# unbacked symbol from ``aten.item``, a float function) makes the whole set ``unknown``, which
+# emit it as a source equality) and a stride such as 16*s (contiguity). Anything else (a
+# rational coefficient, an unbacked symbol from ``aten.item``, a float function) makes the
+# whole set ``unknown``, which
 # the engine treats as "no size may be trusted by guards" (it checks each size against replay,
 # as before guards existed). The set travels inside the serialized program (``pack_guards``:
 # a tagged, length-prefixed JSON block after the build key; torch's pickle follows), so the
