@@ -67,7 +67,10 @@ def summarize_run(records: list[dict]) -> dict:
         "dist": head.get("dist"), "remote": head.get("remote"),
         # issue 15, Note [symbolic dims]: which dims were made symbolic, where, traces served
         "sym": {k: m.get(k, 0) for k in ("sym_learned", "sym_loaded", "sym_hits", "sym_ops",
-                                         "sym_left", "sym_mispredicted")},
+                                         "sym_left", "sym_mispredicted", "sym_programs",
+                                         "sym_checked", "sym_sizes_loaded", "sym_trusted",
+                                         "sym_guard_refused", "sym_specialized",
+                                         "sym_unfusable", "sym_guards_unknown")},
         "sym_dims": dict(sorted((m.get("sym_dims") or {}).items(), key=lambda kv: -kv[1])[:8]),
     }
 
@@ -208,6 +211,14 @@ def _format_run(r: dict) -> list[str]:
                    f"{sym['sym_mispredicted']} mispredicted")
         for label, n in (r.get("sym_dims") or {}).items():
             out.append(f"    {n:>5}x  {label}")
+    if any(sym.get(k) for k in ("sym_programs", "sym_checked", "sym_specialized",
+                                "sym_unfusable")):
+        out.append(f"  symbolic programs: {sym.get('sym_checked', 0)} sizes checked, "
+                   f"{sym.get('sym_sizes_loaded', 0)} from disk, {sym.get('sym_trusted', 0)} run "
+                   f"unchecked by their guards, {sym.get('sym_guard_refused', 0)} refused by a "
+                   f"guard; templates not compiled: {sym.get('sym_specialized', 0)} specialized, "
+                   f"{sym.get('sym_unfusable', 0)} unfusable; {sym.get('sym_guards_unknown', 0)} "
+                   f"with unreadable guards")
     d = r.get("dist")
     if d:
         out.append(f"  rank {d.get('rank')} of {d.get('world')} in job {d.get('job') or '?'} "

@@ -51,7 +51,7 @@ def _keys(m: dict) -> dict:
                               "sym_trusted", "sym_guard_refused", "sym_guards_unknown")}
 
 
-def test_one_program_serves_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_program_serves_every_size(monkeypatch: pytest.MonkeyPatch, cache_dir) -> None:
     from adaptive_eager import compiler
 
     # kept fused whatever its timing on a loaded machine: this test is about which sizes run it
@@ -104,6 +104,13 @@ def test_one_program_serves_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
         prev = m
     assert unchecked >= 2 and trusted >= 2 and final["sym_trusted"] >= 2, steps[-1]
     assert 40 not in agreed and 45 not in agreed and len(agreed) == SYM_CHECKED_SIZES, agreed
+    from adaptive_eager.api import write_run_log
+    from adaptive_eager.report import build_report, format_report
+
+    write_run_log(ae.api.resolve_options({}))  # the report reads the run log
+    text = format_report(build_report(cache_dir, last=True))
+    assert (f"symbolic programs: {final['sym_checked']} sizes checked, 0 from disk, "
+            f"{final['sym_trusted']} run unchecked by their guards, 0 refused") in text, text
 
 
 def test_option_off_runs_op_by_op() -> None:
