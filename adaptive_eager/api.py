@@ -98,14 +98,21 @@ def resolve_options(options: dict[str, Any]) -> config.Options:
     last = _last
     if last is not None:
         kw, types, hit, present, absent, size, last_key = last
-        if kw == options and (not options or tuple(map(type, options.values())) == types):
+        # types taken in kw's key order: {a: 1, b: True} == {b: 1, a: True} as dicts
+        if kw == options and (not options
+                              or tuple(map(type, map(options.__getitem__, kw))) == types):
             if absent is not None:
                 data = _env_data
-                if (os.environ is _environ and _environ._data is data  # type: ignore[attr-defined]
-                        and (len(data) == size  # type: ignore[arg-type]
-                             and next(reversed(data), None) is last_key  # type: ignore
-                             or _relast(last, data))  # type: ignore[arg-type]
-                        and (present is None or _present_same(present, data))):
+                try:
+                    same = (os.environ is _environ
+                            and _environ._data is data  # type: ignore[attr-defined]
+                            and (len(data) == size  # type: ignore[arg-type]
+                                 and next(reversed(data), None) is last_key  # type: ignore
+                                 or _relast(last, data))  # type: ignore[arg-type]
+                            and (present is None or _present_same(present, data)))
+                except RuntimeError:  # another thread changed the environment mid-iteration
+                    same = False
+                if same:
                     return hit
             elif _env_snapshot() == present:
                 return hit
@@ -158,7 +165,10 @@ def _present_same(present: tuple, data: dict) -> bool:
 
 
 def _last_key(data: dict) -> Any:
-    key = next(reversed(data), None)
+    try:
+        key = next(reversed(data), None)
+    except RuntimeError:  # another thread changed the environment meanwhile
+        return _NO_KEY
     return key if key is not None and len(key) >= 2 else _NO_KEY
 
 

@@ -119,6 +119,21 @@ def _seen_by_dynamo(fn: Any) -> Any:
     return fn
 
 
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_get_mode = torch._C._get_dispatch_mode
+
+
+@_seen_by_dynamo
+def _traced_here() -> bool:
+    """Whether this thread traces the hook's module call (Note [hooks under Dynamo]): Dynamo
+    folds ``is_dynamo_compiling()`` to True (False in eager); torch.export's non-strict
+    tracing runs the module under a fake mode on this thread's stack. ``is_compiling()`` alone
+    is a process-wide flag: a compile or export in another thread would skip this thread's
+    hooks (a call's pre-hook seen and its post-hook not leaves the depth count stuck)."""
+    return torch.compiler.is_dynamo_compiling() or (
+        torch.compiler.is_compiling() and _get_mode(_FAKE_KEY) is not None)
+
+
 def trial_verdict(ratio: float) -> str:
     """The one place a measured trial is decided: "engine" or "eager" (Note [measured trial]).
     ``ratio`` is the median over paired rounds of engine round / eager round.
@@ -577,7 +592,7 @@ class _RootTick:
 
     @_seen_by_dynamo
     def __call__(self, module: Any, args: Any, *output: Any) -> None:
-        if torch.compiler.is_compiling():  # folded by Dynamo: the hook traces to nothing
+        if _traced_here():  # folded by Dynamo: the hook traces to nothing
             return
         presence = self.presence() if self.presence is not None else None
         if presence is not None:
@@ -604,7 +619,7 @@ class _AsideHook:
 
     @_seen_by_dynamo
     def __call__(self, module: Any, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if _traced_here():
             return
         presence = self.presence()
         if presence is not None and presence.pending is not None:

@@ -254,3 +254,83 @@ def test_fullgraph_inductor_in_contexts() -> None:
             got = f(x)
             model(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_in_another_thread_does_not_stop_ticks() -> None:
+    """``torch.compiler.is_compiling()`` is one process-wide flag, True for a whole Dynamo
+    compile in any thread: hooks that returned on it lost this thread's rounds while another
+    thread compiled, and a call whose pre-hook ran before and whose post-hook ran during that
+    compile left the depth count at 1, so no outermost call ticked again in the context."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_backend(gm: Any, example_inputs: Any) -> Any:
+        entered.set()
+        release.wait(30)
+        return gm.forward
+
+    def compile_elsewhere() -> None:
+        torch.compile(lambda t: t * 2 + 1, backend=slow_backend)(torch.ones(3))
+
+    inner, x = _model(), _x()
+
+    class Starter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+            self.thread: threading.Thread | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.inner(x)
+            if self.thread is None:  # another thread starts compiling during this call
+                self.thread = threading.Thread(target=compile_elsewhere)
+                self.thread.start()
+                assert entered.wait(30)
+            return out
+
+    model = Starter()
+    want = inner(x)
+    outs = []
+    try:
+        with ae.adaptive_eager(backend="replay"):
+            presence = ae.api._state.presence
+            assert presence._tick_kind == "global"
+            outs.append(model(x))  # its post-hook runs while the other thread compiles
+            assert torch.compiler.is_compiling()  # the flag this thread must not go by
+            outs.append(model(x))
+            assert presence.calls_in_context == 2
+            release.set()
+            model.thread.join(30)
+            for _ in range(3):
+                outs.append(model(x))
+            assert presence.calls_in_context == 5
+            assert presence._depth == 0
+    finally:
+        release.set()
+        if model.thread is not None:
+            model.thread.join(30)
+    for out in outs:
+        assert torch.equal(out, want)
+
+
+def test_strict_export_inside_an_active_context() -> None:
+    """Strict torch.export raises on any global module hook ("Attempted to inline function
+    marked as skipped": ModuleToTrace.forward), and an active context has the engine's global
+    tick hooks on: the export runs without them; its graph is the one made outside, the hooks
+    are back afterwards and the context's calls still tick."""
+    model, x = _model(), _x()
+    want = model(x * 2)
+    outside = torch.export.export(model, (x * 2,), strict=True)
+    with ae.adaptive_eager(backend="replay"):
+        presence = ae.api._state.presence
+        assert _engine_global_hooks() == 2
+        y = x * 2
+        exported = torch.export.export(model, (y,), strict=True)
+        assert _engine_global_hooks() == 2
+        before = presence.calls_in_context
+        got = model(y)
+        assert presence.calls_in_context == before + 1
+    assert torch.equal(got, want)
+    assert torch.equal(exported.module()(x * 2), want)
+    assert str(exported.graph) == str(outside.graph)

@@ -178,3 +178,47 @@ def test_enable_inside_a_context_keeps_its_own_object() -> None:
     ae.disable()
     assert not ae.is_enabled() and torch._C._len_torch_dispatch_stack() == 0
     assert torch.equal(y, WANT)
+
+
+def test_keyword_types_are_compared_per_name() -> None:
+    """The same keywords in another order with a bool and an int value swapped are equal as a
+    dict ({a: 1, b: True} == {b: 1, a: True}); their types in call order were equal too, so
+    the invalid pair took the valid one's options unchecked."""
+    ok = ae.adaptive_eager(hot_after=1, compile_async=True)
+    assert (ok.options.hot_after, ok.options.compile_async) == (1, True)
+    with pytest.raises(ConfigError):
+        ae.adaptive_eager(compile_async=1, hot_after=True)
+    again = ae.adaptive_eager(compile_async=True, hot_after=1)  # reordered, valid: the same
+    assert again.options == ok.options
+    with ae.adaptive_eager(compile_async=True, hot_after=1, backend="replay"):
+        got = _six_ops()
+    assert torch.equal(got, WANT)
+
+
+def test_environment_changed_by_another_thread_while_checking() -> None:
+    """A thread adding and removing a variable while this one resolves options: the check
+    read the environment's last key with an iterator, which raised RuntimeError ("dictionary
+    changed size during iteration") out of adaptive_eager() when the other thread ran in
+    between; now that check only falls back to the full one."""
+    import sys
+    import threading
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            os.environ["ADAPTIVE_EAGER_TEST_CHURN"] = "1"
+            del os.environ["ADAPTIVE_EAGER_TEST_CHURN"]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(300_000):
+            assert api.resolve_options({}).max_trace_ops == 4096
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+        os.environ.pop("ADAPTIVE_EAGER_TEST_CHURN", None)
