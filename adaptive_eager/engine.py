@@ -32,7 +32,8 @@ from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import SLOTS, Trace, Unsupported, slot_marker
 from adaptive_eager.shapes import _MISSING as _SYM_MISS, configure as configure_shapes
-from adaptive_eager.shapes import predict as sym_predict, replay_checked, step as sym_step
+from adaptive_eager.shapes import note_hit as sym_note_hit, predict as sym_predict
+from adaptive_eager.shapes import replay_checked, step as sym_step
 
 log = logging.getLogger("adaptive_eager")
 
@@ -588,6 +589,8 @@ class Engine:
         if entry is not None and tr.node is not None:
             M.trace_hits += 1
             entry.hits += 1
+            if entry.sym is not None:  # a template's entry: fused or op by op, any size
+                sym_note_hit(entry)
         else:
             M.trace_misses += 1
             if entry is None:

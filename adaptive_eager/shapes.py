@@ -955,8 +955,6 @@ def replay_checked(tr: Any, live: list[int], check: bool, entry: TraceEntry) -> 
 
     st: SymTrace = tr.sym
     tpl = st.tpl
-    if entry.sym is not None:
-        note_hit(entry)
     todo_tpl = tpl is not None and not tpl.dead and st.s not in tpl.verified
     todo_ops = [p for p in st.preds if p[3] not in p[2].verified]
     if not todo_tpl and not todo_ops:

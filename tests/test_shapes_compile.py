@@ -48,7 +48,8 @@ def _inputs(sizes: list[int]) -> list[torch.Tensor]:
 def _keys(m: dict) -> dict:
     return {k: m[k] for k in ("compiles", "compiled_runs", "sym_programs", "sym_checked",
                               "sym_program_fallbacks", "compile_errors", "fused_errors",
-                              "sym_trusted", "sym_guard_refused", "sym_guards_unknown")}
+                              "sym_trusted", "sym_guard_refused", "sym_guards_unknown",
+                              "sym_hits")}
 
 
 def test_one_program_serves_every_size(monkeypatch: pytest.MonkeyPatch, cache_dir) -> None:
@@ -103,6 +104,9 @@ def test_one_program_serves_every_size(monkeypatch: pytest.MonkeyPatch, cache_di
             torch.testing.assert_close(y, want[i], rtol=RTOL, atol=ATOL)
         prev = m
     assert unchecked >= 2 and trusted >= 2 and final["sym_trusted"] >= 2, steps[-1]
+    # every run through the template counts, fused ones too (they were not counted)
+    assert final["sym_hits"] - after_learn["sym_hits"] >= (final["compiled_runs"]
+                                                           - after_learn["compiled_runs"])
     assert 40 not in agreed and 45 not in agreed and len(agreed) == SYM_CHECKED_SIZES, agreed
     from adaptive_eager.api import write_run_log
     from adaptive_eager.report import build_report, format_report
