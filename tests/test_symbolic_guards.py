@@ -380,23 +380,29 @@ def test_template_program_that_specializes_is_refused_and_counted(
         assert torch.equal(a, e)
 
 
-def test_guards_collected_from_a_real_shape_env() -> None:
-    """``shape_guards`` reads what a ShapeEnv recorded while fake kernels ran on a dynamic
-    length: glu halves dim 1 (``s % 2 == 0``), cdist picks its kernel by size (``s <= 25``),
-    and the range every size symbol gets (``s >= 2``; glu's half too: ``s // 2 != 1``); a
-    second input's length unified with the first (broadcasting) becomes an equality. Decoded,
-    they hold exactly where those assumptions do."""
+def _two_fakes_dynamic_in_dim_1() -> tuple:
+    """A fake mode with a ShapeEnv and two (2, s, 16) fakes, each with its own symbol."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
-
-    from adaptive_eager.backends.inductor import shape_guards
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC,
                                                   DimDynamic.STATIC])
     x = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
     y = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
+    return mode, x, y
+
+
+def test_guards_collected_from_a_real_shape_env() -> None:
+    """``shape_guards`` reads what a ShapeEnv recorded while fake kernels ran on a dynamic
+    length: glu halves dim 1 (``s % 2 == 0``), cdist picks its kernel by size (``s <= 25``),
+    and the range every size symbol gets (``s >= 2``; glu's half too: ``s // 2 != 1``); a
+    second input's length unified with the first (broadcasting) becomes an equality. Decoded,
+    they hold exactly where those assumptions do."""
+    from adaptive_eager.backends.inductor import shape_guards
+
+    mode, x, y = _two_fakes_dynamic_in_dim_1()
     with mode:
         torch.nn.functional.glu(x, 1)
         torch.cdist(x, x)
@@ -419,17 +425,9 @@ def test_symbolic_strides_become_equalities() -> None:
     is kept as an equality (a slice of a longer buffer, same sizes, fails it; its static
     strides are the template's to match). Two inputs made
     with their own symbols stay independent (nothing related them while compiling)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
-                                                       StatelessSymbolicContext)
-
     from adaptive_eager.backends.inductor import shape_guards
 
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC,
-                                                  DimDynamic.STATIC])
-    x = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
-    y = mode.from_tensor(torch.randn(2, 10, 16), symbolic_context=ctx)
+    mode, x, y = _two_fakes_dynamic_in_dim_1()
     data = shape_guards([x, y])
     assert ["stride", 0, 0] in data["syms"], data
     sg = ShapeGuards.decode(data)
