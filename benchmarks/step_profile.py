@@ -117,7 +117,8 @@ def paired(args: argparse.Namespace, cache: str) -> int:
     shared machine, where separate processes see different load): plain eager; the engine with
     its own decisions (default backend, compiles waited for, stepping aside off, so the engine
     itself is measured); and op-by-op replay (backend="replay"). After warming each, rounds of
-    one step per mode, the order rotated every round; process CPU time per step (one torch
+    one step per mode, the order rotated every round (``--compile`` adds torch.compile of the
+    whole step); process CPU time per step (one torch
     thread: kernels run in this thread) and wall clock. Prints the medians, the ratios to eager
     and what the engine decided for its traces."""
     import resource
@@ -128,16 +129,26 @@ def paired(args: argparse.Namespace, cache: str) -> int:
     engine = dict(backend=args.backend, compile_async=False, step_aside=False, cache_dir=cache)
     replay = dict(backend="replay", step_aside=False, cache_dir=cache + "-replay")
 
-    def under(opts: dict[str, Any] | None, n: int) -> None:
+    def under(opts: Any, n: int) -> None:
+        if callable(opts):  # the compiled step
+            for _ in range(n):
+                opts()
+            return
         if opts is None:
             _steps(bench, n, lambda: None)
             return
         with ae.adaptive_eager(**opts):
             _steps(bench, n, ae.sync)
 
-    modes: dict[str, dict[str, Any] | None] = {"eager": None, "engine": engine, "replay": replay}
+    modes: dict[str, Any] = {"eager": None, "engine": engine, "replay": replay}
+    compiled = torch.compile(bench.step) if args.compile else None
+    if compiled is not None:
+        modes["compile"] = compiled  # torch.compile of the whole step, same model and data
     t0 = time.perf_counter()
     under(None, 2)
+    if compiled is not None:
+        for _ in range(3):
+            compiled()
     for warm in range(1, args.max_warmup + 1):  # until every flush runs a decided trace
         ae.reset_metrics()
         under(engine, 1)
@@ -153,7 +164,7 @@ def paired(args: argparse.Namespace, cache: str) -> int:
     names = list(modes)
     ae.reset_metrics()
     for r in range(args.steps):
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0, w0 = time.process_time(), time.perf_counter()
             under(modes[name], 1)
@@ -197,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", action="store_true",
                    help="instead of the profile: eager, the engine and op-by-op replay steps "
                         "interleaved in one process (see paired)")
+    p.add_argument("--compile", action="store_true",
+                   help="--paired: also torch.compile of the whole step, in the same rounds")
     p.add_argument("--max-seconds", type=float, default=900.0,
                    help="--aside-check: longest engine phase (compiles, measuring, the trial)")
     args = p.parse_args(argv)
