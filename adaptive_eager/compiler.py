@@ -491,7 +491,11 @@ class ShapeGuards:
         if budget[0] < 0 or depth > 64:
             raise ValueError("guards too large")
         t = type(n)
-        if t is int or t is bool:
+        if t is bool:
+            return n
+        if t is int:  # JSON ints are unbounded: a product of a few thousand would never end
+            if not -_GUARD_INT_MAX <= n <= _GUARD_INT_MAX:
+                raise ValueError("guard constant out of range")
             return n
         if t is not list or not n or type(n[0]) is not str:
             raise ValueError(f"bad guard node {str(n)[:80]}")
@@ -528,6 +532,11 @@ class ShapeGuards:
         return True
 
 
+# Sizes, strides and guard constants are far below this; a stored block (data) that leaves it
+# is refused rather than evaluated (big-int products of stored constants grow without bound).
+_GUARD_INT_MAX = 1 << 128
+
+
 def _ev(n: Any, vals: list[int]) -> int | bool:
     """Evaluate a decoded guard node (ShapeGuards._node's tuples): ints and bools only."""
     t = type(n)
@@ -544,11 +553,18 @@ def _ev(n: Any, vals: list[int]) -> int | bool:
     if any(type(x) is not int for x in a):
         raise ValueError("arithmetic on truth values")
     if op == "+":
-        return sum(a)
-    if op == "*":
+        r = sum(a)
+    elif op == "*":
         r = 1
         for x in a:
             r *= x
+            if not -_GUARD_INT_MAX <= r <= _GUARD_INT_MAX:  # bounded before the next product
+                raise ValueError("guard arithmetic out of range")
+    else:
+        r = None
+    if r is not None:
+        if not -_GUARD_INT_MAX <= r <= _GUARD_INT_MAX:
+            raise ValueError("guard arithmetic out of range")
         return r
     if op == "min":
         return min(a)
@@ -560,7 +576,7 @@ def _ev(n: Any, vals: list[int]) -> int | bool:
             raise ValueError("division by zero in a guard")
         return x // y if op == "//" else x % y if op == "%" else -(-x // y)
     if op == "pow":
-        if not 0 <= y <= 64 or abs(x) > 1 << 64:
+        if not 0 <= y <= 64 or (abs(x) > 1 and y * (abs(x).bit_length() - 1) > 128):
             raise ValueError("power out of range")
         return x ** y
     return (x == y if op == "==" else x != y if op == "!=" else x < y if op == "<"

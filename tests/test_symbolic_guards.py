@@ -466,3 +466,33 @@ def test_malformed_stored_sizes_are_ignored_and_counted(compiled: Path, cache_di
     assert m["sym_sizes_loaded"] == 0 and m["sym_checked"] == 2 and m["sym_trusted"] == 0, steps
     for y, e in zip(got, want):
         assert torch.equal(y, e)
+
+
+def test_guard_arithmetic_out_of_range_is_refused() -> None:
+    """A stored guard block is data: constants beyond any size and products that grow past
+    them raise ValueError (the engine then checks the size) instead of evaluating big-int
+    products without bound (a few thousand 4000-digit factors took minutes)."""
+    with pytest.raises(ValueError):
+        ShapeGuards.decode({"v": 1, "syms": [], "guards": [["==", ["*", 10 ** 4000, 2], 0]]})
+    t = torch.empty(3, 2)
+    for guards in ([["==", ["*", 1 << 100, 1 << 100], 0]],
+                   [["==", ["*", ["pow", 1 << 63, 64], ["pow", 1 << 63, 64]], 0]],
+                   [["==", ["+", 1 << 128, 1 << 128], 0]]):
+        sg = ShapeGuards.decode({"v": 1, "syms": [["size", 0, 0]], "guards": guards})
+        with pytest.raises(ValueError):
+            sg.holds([t])
+    sg = ShapeGuards.decode({"v": 1, "syms": [["size", 0, 0]],
+                             "guards": [["==", ["pow", ["v", 0], 2], 9],
+                                        ["<=", ["*", ["v", 0], 1 << 62], 1 << 64]]})
+    assert sg.holds([t]) is True and sg.holds([torch.empty(4, 2)]) is False
+
+
+def test_deeply_nested_guard_block_reads_as_unknown() -> None:
+    """JSON nested past the interpreter's recursion limit is an unreadable block (unknown
+    guards: sizes are checked), not a failed load of the program."""
+    body = b'{"v":1,"syms":[],"guards":[' + b"[" * 100_000 + b"]" * 100_000 + b"]}"
+    blob = _GUARDS_TAG + len(body).to_bytes(4, "big") + body + b"\x80rest"
+    got, rest = unpack_guards(memoryview(blob))
+    assert "unknown" in got and bytes(rest) == b"\x80rest"
+    with pytest.raises(ValueError):
+        ShapeGuards.decode(got)

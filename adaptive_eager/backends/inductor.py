@@ -353,7 +353,7 @@ def unpack_guards(rest: memoryview) -> tuple[dict[str, Any] | None, memoryview]:
         raise ValueError("truncated program")
     try:
         guards = json.loads(bytes(rest[8:8 + n]))
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested past the C stack
         guards = {"v": 1, "unknown": f"unreadable guards: {err}"[:200]}
     if not isinstance(guards, dict):
         guards = {"v": 1, "unknown": "guards of another format"}
