@@ -103,6 +103,8 @@ def _flags() -> dict[str, Any]:
 
     return {"matmul_precision": torch.get_float32_matmul_precision(),
             "deterministic": torch.are_deterministic_algorithms_enabled(),
+            # ops recorded without a dtype lower to the default (Note [default dtype])
+            "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
             "inductor_cache": chosen_kernel_dir()}
 
 
@@ -113,6 +115,9 @@ def _apply_flags(flags: dict[str, Any]) -> None:
 
     torch.set_float32_matmul_precision(flags["matmul_precision"])
     torch.use_deterministic_algorithms(flags["deterministic"])
+    dtype = getattr(torch, str(flags.get("default_dtype", "float32")), None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
     if flags["inductor_cache"]:
         use_kernel_dir(flags["inductor_cache"])
 

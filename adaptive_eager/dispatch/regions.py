@@ -313,7 +313,43 @@ def _global_hooks_hidden(presence: Any) -> Iterator[None]:
             d.update(ours)
 
 
-_installed = {"compile": False, "dynamo": False, "export": False}
+def default_dtype_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``torch.set_default_dtype`` / ``set_default_tensor_type`` (Note [default dtype]).
+
+    Note [default dtype]
+    The default dtype decides ops recorded without one (a factory op with no ``dtype``, a Python
+    float promoting an integer tensor), but the trie keys it only at a trace's root, and a trace
+    replays under the default set when it is flushed. Changing it inside a trace gave float32
+    where eager gave float64 from the second run on. So a change made while this thread's
+    engine is active flushes the pending trace first (it replays under the dtype it was recorded
+    under), and the next trace starts from the root of the new default. The compile helper gets
+    the default with each request (``compile_process._flags``). Another thread's pending trace is
+    not flushed (the default is process-wide; Known gaps)."""
+    if getattr(fn, "_ae_region", False):
+        return fn
+
+    @functools.wraps(fn)
+    def set_default(*args: Any, **kwargs: Any) -> Any:
+        from adaptive_eager import api
+
+        engine = api._state.engine
+        if engine is None:
+            return fn(*args, **kwargs)
+        if active_engine() is engine:
+            engine.flush("default_dtype")
+        out = fn(*args, **kwargs)
+        tr = engine.trace
+        if not tr.ops and tr.node is tr.start:  # an empty trace: start it at the new root
+            from adaptive_eager.cache.memory import TRIE
+
+            tr.start = tr.node = TRIE.root(torch.get_default_dtype())
+        return out
+
+    set_default._ae_region = True  # type: ignore[attr-defined]
+    return set_default
+
+
+_installed = {"compile": False, "dynamo": False, "export": False, "dtype": False}
 _install_lock = threading.RLock()  # two threads starting engines must not patch twice
 
 
@@ -346,6 +382,10 @@ def _install() -> None:
                 fn = getattr(export_mod, name, None)
                 if callable(fn):
                     setattr(export_mod, name, export_call(fn))
+    if not _installed["dtype"]:
+        _installed["dtype"] = True
+        for name in ("set_default_dtype", "set_default_tensor_type"):
+            setattr(torch, name, default_dtype_call(getattr(torch, name)))
     if "torch._dynamo.eval_frame" in sys.modules:
         _install_dynamo()
 
