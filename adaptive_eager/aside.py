@@ -79,7 +79,9 @@ a module raised inside a context, and without fullgraph every module call split 
 disabled hook (``torch._dynamo.disable``) is a graph break too, and ``dont_skip_tracing`` costs
 ~15 us per eager call. So every module hook of the engine (the tick hooks, global or on roots, and
 the step-aside hook) is a ``_RootTick``/``_AsideHook`` whose ``__call__`` returns at once when
-``torch.compiler.is_compiling()`` (Dynamo folds it to True; torch.export sets it too) and whose
+this thread traces it (``_traced_here``: Dynamo folds ``is_dynamo_compiling()`` to True; a
+non-strict export runs under a fake mode on this thread; ``is_compiling()`` alone is
+process-wide) and whose
 code carries a file name off the skip list (``_seen_by_dynamo``): Dynamo inlines it to nothing
 and the graph is the one compiled without the engine. Compiled code runs outside the engine
 anyway (Note [compiled regions]), so module calls inside it are no rounds; calls outside tick as
@@ -89,10 +91,12 @@ which: a function compiled outside a context compiles once more inside, not once
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -552,6 +556,24 @@ class Presence:
         self._hooks = []
 
 
+@contextlib.contextmanager
+def hooks_hidden(dicts: tuple[dict, ...], ours: Any) -> Iterator[None]:
+    """Take the hooks ``ours(hook)`` selects out of these hook dicts for the block and put them
+    back under their own handles (a tracer that cannot handle the engine's hooks: TorchScript,
+    strict torch.export); they come back at the end of each dict."""
+    saved = []
+    for d in dicts:
+        taken = {k: h for k, h in d.items() if ours(h)}
+        for k in taken:
+            del d[k]
+        saved.append((d, taken))
+    try:
+        yield
+    finally:
+        for d, taken in saved:
+            d.update(taken)
+
+
 def _hide_ticks_from_torchscript() -> None:
     """``torch.jit.script`` compiles every hook on the module it scripts (``get_hook_stubs``):
     a root's tick hooks are not scriptable and are no part of the user's model (Note [root
@@ -563,17 +585,9 @@ def _hide_ticks_from_torchscript() -> None:
         return
 
     def get_hook_stubs(nn_module: Any) -> Any:
-        saved = []
-        for d in (nn_module._forward_hooks, nn_module._forward_pre_hooks):
-            ticks = {k: v for k, v in d.items() if type(v) is _RootTick}
-            for k in ticks:
-                del d[k]
-            saved.append((d, ticks))
-        try:
+        with hooks_hidden((nn_module._forward_hooks, nn_module._forward_pre_hooks),
+                          lambda h: type(h) is _RootTick):
             return orig(nn_module)
-        finally:
-            for d, ticks in saved:
-                d.update(ticks)
 
     get_hook_stubs._ae_wrapped = True  # type: ignore[attr-defined]
     _recursive.get_hook_stubs = get_hook_stubs

@@ -289,28 +289,18 @@ def export_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return export
 
 
-@contextlib.contextmanager
-def _global_hooks_hidden(presence: Any) -> Iterator[None]:
+def _global_hooks_hidden(presence: Any) -> Any:
     """Strict torch.export raises on any global module hook (Dynamo then inlines
     ``_call_impl`` into export's own wrapper module, which it skips): this presence's global
     hooks (tick and step-aside) leave the hook dicts for the export and come back under their
     own handles, so the depth count and the handles stay as they were."""
     from torch.nn.modules import module as nn_module
 
-    from adaptive_eager.aside import _AsideHook, _RootTick
+    from adaptive_eager.aside import _AsideHook, _RootTick, hooks_hidden
 
-    saved = []
-    for d in (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks):
-        ours = {k: h for k, h in d.items() if type(h) in (_RootTick, _AsideHook)
-                and h.presence is not None and h.presence() is presence}
-        for k in ours:
-            del d[k]
-        saved.append((d, ours))
-    try:
-        yield
-    finally:
-        for d, ours in saved:
-            d.update(ours)
+    return hooks_hidden((nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks),
+                        lambda h: type(h) in (_RootTick, _AsideHook)
+                        and h.presence is not None and h.presence() is presence)
 
 
 def default_dtype_call(fn: Callable[..., Any]) -> Callable[..., Any]:
