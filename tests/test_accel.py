@@ -361,6 +361,18 @@ def test_ops_with_no_tensor_argument_record_in_c() -> None:
     assert_equal_tree(to_plain(got), step())
 
 
+def _refcounts_around(watched: tuple, run: Any, times: int = 20) -> tuple[list, list]:
+    """Reference counts of ``watched`` before and after ``times`` runs of ``run`` (each synced):
+    equal when the recording path neither leaks nor steals references."""
+    gc.collect()
+    before = [sys.getrefcount(o) for o in watched]
+    for _ in range(times):
+        run()
+        ae.sync()
+    gc.collect()
+    return before, [sys.getrefcount(o) for o in watched]
+
+
 @needs_hot
 def test_dropped_lazy_tensors_die_and_references_are_not_leaked() -> None:
     """The engine reads liveness from weak references: outputs made in C must die when the
@@ -388,14 +400,8 @@ def test_dropped_lazy_tensors_die_and_references_are_not_leaked() -> None:
         ae.sync()
         spec = aten.add.Tensor._ae_spec
         watched = (x, y, spec, meta, SLOTS[7], aten.add.Tensor, mode._NO_KWARGS, eng.trace)
-        gc.collect()
-        before = [sys.getrefcount(o) for o in watched]
         fast0 = _hot.stats()["fast"]
-        for _ in range(20):
-            loop()
-            ae.sync()
-        gc.collect()
-        after = [sys.getrefcount(o) for o in watched]
+        before, after = _refcounts_around(watched, loop)
         assert _hot.stats()["fast"] - fast0 == 20 * 99
     assert before[:-1] == after[:-1]  # the trace object is replaced at each flush
 
@@ -684,14 +690,8 @@ def test_template_steps_in_c_leak_no_references() -> None:
         got = memo[3][1]
         watched = (tpl, tpl.nodes[3], tpl.nodes[-1], memo, memo[3], got, tpl.steps,
                    aten.add.Tensor._ae_spec, mode._NO_KWARGS)
-        gc.collect()
-        before = [sys.getrefcount(o) for o in watched]
         s0 = _hot.stats()["sym"]
-        for _ in range(20):
-            step()
-            ae.sync()
-        gc.collect()
-        after = [sys.getrefcount(o) for o in watched]
+        before, after = _refcounts_around(watched, step)
         n = _hot.stats()["sym"] - s0
     assert n == 20 * (len(tpl.steps) - 1), n  # every step after the anchor, every trace
     assert before == after
