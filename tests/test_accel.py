@@ -299,6 +299,19 @@ def _run(make: Callable[[], Step], accel: bool | None, monkeypatch: pytest.Monke
     return [to_plain(o) for o in outs], traces, {k: m[k] for k in _COUNTERS}
 
 
+def _assert_same_recording(expected: Any, c: tuple, py: tuple) -> None:
+    """Both paths give eager's results and record identical traces and counters;
+    ``c``/``py``: (results, traces, counters) of the C and the pure-Python path."""
+    (got_c, traces_c, counters_c), (got_py, traces_py, counters_py) = c, py
+    assert_equal_tree(expected, got_c)
+    assert_equal_tree(expected, got_py)
+    assert len(traces_c) == len(traces_py)
+    for i, (tc, tp) in enumerate(zip(traces_c, traces_py)):
+        for field in tc:
+            assert tc[field] == tp[field], (i, field)
+    assert counters_c == counters_py
+
+
 @needs_hot
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_c_and_python_paths_record_the_same_traces(name: str,
@@ -312,13 +325,8 @@ def test_c_and_python_paths_record_the_same_traces(name: str,
     assert _hot.stats() == stats  # the pure-Python path never entered C
     assert stats["fast"] > 0, stats  # the C path recorded ops ...
     assert stats["faults"] == 0, stats  # ... and met no error
-    assert_equal_tree(expected, got_c)
-    assert_equal_tree(expected, got_py)
-    assert len(traces_c) == len(traces_py)
-    for i, (tc, tp) in enumerate(zip(traces_c, traces_py)):
-        for field in tc:
-            assert tc[field] == tp[field], (i, field)
-    assert counters_c == counters_py
+    _assert_same_recording(expected, (got_c, traces_c, counters_c),
+                           (got_py, traces_py, counters_py))
     assert counters_c["engine_errors"] == 0
 
 
@@ -551,13 +559,8 @@ def _compare_paths(make: Callable[[], Step], rounds: int, monkeypatch: pytest.Mo
     got_py, traces_py, counters_py = _run(make, False, monkeypatch, rounds, disk_cache=False)
     assert _hot.stats() == stats
     assert stats["faults"] == 0, stats
-    assert_equal_tree(expected, got_c)
-    assert_equal_tree(expected, got_py)
-    assert len(traces_c) == len(traces_py)
-    for i, (tc, tp) in enumerate(zip(traces_c, traces_py)):
-        for field in tc:
-            assert tc[field] == tp[field], (i, field)
-    assert counters_c == counters_py
+    _assert_same_recording(expected, (got_c, traces_c, counters_c),
+                           (got_py, traces_py, counters_py))
     assert counters_c["engine_errors"] == 0 and counters_c["sym_mispredicted"] == 0
     return stats, traces_c, counters_c
 
