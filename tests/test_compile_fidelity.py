@@ -311,11 +311,17 @@ def test_module_calls_unpatched_during_in_process_compiles(cache_dir: Path) -> N
 
 
 # ---- two threads, two engines -----------------------------------------------------------------
+_SEEDING = threading.Lock()  # the global generator is shared: two threads seeding it at once
+                             # interleave their draws (the test's own race, not the engine's)
+
+
 def _train(seed: int, steps: int) -> list[torch.Tensor]:
-    torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    with _SEEDING:  # random ops run at once under the engine: every draw happens in here
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                  torch.nn.Linear(32, 4))
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    x, y = torch.randn(8, 16), torch.randn(8, 4)
     for _ in range(steps):
         loss = torch.nn.functional.mse_loss(net(x), y)
         opt.zero_grad()
