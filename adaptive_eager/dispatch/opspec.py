@@ -53,6 +53,24 @@ _ALLOC_OPS = {
     _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
     _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
 }
+# Note [unsafe views]
+# ``unsafe_split``, ``unsafe_chunk`` and ``_unsafe_view`` return tensors that share their input's
+# storage (at its offset) but say no alias in their schemas, so autograd does not track them as
+# views. The engine treated them as ordinary ops: metadata of an external input are keyed
+# without its storage offset (Note [views of real tensors] in engine.py), so the outputs of
+# ``unsafe_split`` on a real slice at offset 54 were announced at offset 0 (packed-sequence
+# GRU/LSTM layers split each step's slice of the input projection this way: a metadata mismatch,
+# then kernels reading wrappers' absent data). They are views of their first argument here:
+# made at once on real tensors, with view metadata on lazy ones.
+_UNSAFE_VIEWS = frozenset({_aten.unsafe_split.Tensor, _aten.unsafe_split_with_sizes.default,
+                           _aten.unsafe_chunk.default, _aten._unsafe_view.default})
+# Output sizes that follow tensor values, though the ops carry no dynamic_output_shape tag
+# (FakeTensor has its own rules for them): learning their metadata from one run was wrong for
+# the next lengths (``pack_padded_sequence`` of lengths [5, 3, 2] then [5, 5, 5]), and their
+# outputs are read by C++ code that follows (packed RNN layers read ``batch_sizes``' data).
+_DATA_SHAPED = frozenset({_aten._pack_padded_sequence.default, _aten._pad_packed_sequence.default,
+                          _aten._padded_dense_to_jagged_forward.default,
+                          _aten.nonzero_numpy.default})
 # Ops that return non-tensors but read only metadata, or that only tag a fresh tensor.
 _PASSTHROUGH_OPS = {
     _aten.lift_fresh.default, _aten.is_same_size.default,
@@ -87,6 +105,8 @@ class OpSpec:
             "float[]" in str(a.type) or "List[float]" in str(a.type) for a in args)
         self.ret_alias = _return_aliases(schema)
         self.view_arg = _view_arg(schema)
+        if self.view_arg is None and op in _UNSAFE_VIEWS:  # Note [unsafe views]
+            self.view_arg = 0
         self.writes = _written_args(schema)  # Note [read guard] in mode.py
         self.bool_index = op in (_aten.index.Tensor, _aten._unsafe_index.Tensor)
         self.policy, self.reason = _classify(op, schema)
@@ -178,6 +198,8 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         return RANDOM, "random"
     if torch.Tag.data_dependent_output in tags:
         return SYNC, "result depends on tensor values"
+    if op in _DATA_SHAPED:
+        return SYNC, "output shape depends on tensor values (untagged)"
     if torch.Tag.dynamic_output_shape in tags and op not in (_aten.index.Tensor,
                                                                 _aten._unsafe_index.Tensor):
         return SYNC, "output shape depends on tensor values"

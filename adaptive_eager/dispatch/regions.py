@@ -339,7 +339,45 @@ def default_dtype_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return set_default
 
 
-_installed = {"compile": False, "dynamo": False, "export": False, "dtype": False}
+# Note [storage methods]
+# A storage method that copies or fills memory (``UntypedStorage.copy_``/``fill_``, and the
+# sharing calls behind ``Tensor.share_memory_``, ``Module.share_memory()`` and
+# torch.multiprocessing's pickling of CPU tensors) runs aten ops from C++ on tensors it makes
+# over the storage (``at::empty({0}).set_(storage).copy_(...)``), and the sharing calls then move
+# the storage's data pointer to the new shared memory, outside the dispatcher. Under the
+# DeferMode that copy was deferred and ran after the pointer had moved: ``model.share_memory()``
+# inside the engine left every parameter after the first as zeros (found by an everyday-feature
+# sweep). These methods are memory operations, and run as such: this thread's pending trace runs
+# first (its writes may target the storage, its reads must see the old contents), then the
+# method runs with the engine's modes off. Without an engine on the stack the wrapper costs one
+# read of the dispatch-stack length.
+_STORAGE_METHODS = ("_share_fd_cpu_", "_share_filename_cpu_", "copy_", "fill_")
+
+
+def storage_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an ``UntypedStorage`` method that moves memory (Note [storage methods])."""
+    if getattr(fn, "_ae_region", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _len_dispatch():
+            engine = active_engine()
+            if engine is not None:
+                if engine.trace.ops and not engine.busy and not engine.flushing:
+                    engine.flush("storage")
+                M.fallbacks += 1
+                M.fallback_ops["storage method"] += 1
+                with engine_modes_off():
+                    return fn(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    call._ae_region = True  # type: ignore[attr-defined]
+    return call
+
+
+_installed = {"compile": False, "dynamo": False, "export": False, "dtype": False,
+              "storage": False}
 _install_lock = threading.RLock()  # two threads starting engines must not patch twice
 
 
@@ -376,6 +414,12 @@ def _install() -> None:
         _installed["dtype"] = True
         for name in ("set_default_dtype", "set_default_tensor_type"):
             setattr(torch, name, default_dtype_call(getattr(torch, name)))
+    if not _installed["storage"]:
+        _installed["storage"] = True
+        for name in _STORAGE_METHODS:
+            fn = getattr(torch.UntypedStorage, name, None)
+            if callable(fn):
+                setattr(torch.UntypedStorage, name, storage_call(fn))
     if "torch._dynamo.eval_frame" in sys.modules:
         _install_dynamo()
 

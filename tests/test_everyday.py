@@ -1,0 +1,150 @@
+"""Everyday features an OpInfo sweep does not reach, found by a sweep of common programs
+(session 8): storage sharing (``Module.share_memory()``, torch.multiprocessing), packed sequences
+for RNNs, and ops whose outputs share their input's storage without saying so."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing  # noqa: F401  (registers its tensor reductions with ForkingPickler)
+
+import adaptive_eager as ae
+from helpers import assert_equal_tree, to_plain
+
+
+def _repeated(fn: Callable[[], Any], reps: int = 3) -> tuple[list, list]:
+    """``fn`` run ``reps`` times in eager and ``reps`` times under one engine context (op by op):
+    the later runs are the ones the engine knows, where ops are deferred."""
+    torch.manual_seed(0)
+    expected = [to_plain(fn()) for _ in range(reps)]
+    torch.manual_seed(0)
+    with ae.adaptive_eager(backend="replay", check=True):
+        got = [to_plain(fn()) for _ in range(reps)]
+    return expected, got
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+
+
+def test_module_share_memory_keeps_every_parameter() -> None:
+    # Note [storage methods]: the copy into shared memory was deferred and ran after the data
+    # pointer had moved, so every parameter after the first came back zeros
+    torch.manual_seed(0)
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(3, 4)
+    with ae.adaptive_eager(backend="replay"):
+        model.share_memory()
+        y = model(x)
+    assert all(p.is_shared() for p in model.parameters())
+    for a, p in zip(before, model.parameters()):
+        assert torch.equal(a, p.detach())
+    with torch.no_grad():
+        assert torch.equal(y.detach(), model(x))
+
+
+def test_share_memory_of_a_pending_tensor_bitwise() -> None:
+    def fn() -> Any:
+        a = torch.randn(4) * 2
+        a.share_memory_()
+        return a + 1, a.is_shared()
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
+
+
+def test_storage_copy_and_fill_land_at_once() -> None:
+    def fn() -> Any:
+        a = torch.randn(4) * 2
+        b = torch.zeros(4)
+        b.untyped_storage().copy_(a.untyped_storage())
+        c = torch.ones(3) * 3
+        c.untyped_storage().fill_(0)
+        return b.clone(), c + 1, a
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
+
+
+def test_multiprocessing_pickling_of_a_pending_tensor() -> None:
+    # torch.multiprocessing hands CPU tensors over through shared memory (the same storage call)
+    def fn() -> Any:
+        a = torch.randn(5).exp()
+        b = pickle.loads(bytes(ForkingPickler.dumps(a)))
+        return b * 2, torch.equal(a, b)
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
+
+
+@pytest.mark.parametrize("lengths", [[5, 3, 2], [5, 5, 5], [2, 2, 1], [4, 1, 3]])
+def test_pack_and_pad_follow_the_lengths(lengths: list[int]) -> None:
+    # the packed size is the sum of the lengths: learnt once, it was wrong for the next lengths
+    x = torch.randn(3, 5, 4)
+
+    def fn(ls: list[int]) -> Any:
+        p = nn.utils.rnn.pack_padded_sequence(x * 1, torch.tensor(ls), batch_first=True,
+                                              enforce_sorted=False)
+        o, n = nn.utils.rnn.pad_packed_sequence(p, batch_first=True)
+        return p.data, p.batch_sizes, o, n
+
+    with ae.adaptive_eager(backend="replay", check=True):
+        fn([5, 3, 2])  # an earlier call with other lengths and the same shapes
+        got = to_plain(fn(lengths))
+    assert_equal_tree(to_plain(fn(lengths)), got)
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_packed_rnn_training_bitwise(cell: str) -> None:
+    def fn() -> Any:
+        torch.manual_seed(1)
+        rnn = (nn.GRU(4, 6, batch_first=True) if cell == "gru"
+               else nn.LSTM(4, 6, num_layers=2, batch_first=True, bidirectional=True))
+        x = torch.randn(3, 5, 4)
+        packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([2, 5, 3]),
+                                                   batch_first=True, enforce_sorted=False)
+        out, hidden = rnn(packed)
+        o, n = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        o.sum().backward()
+        return o, hidden, n, [p.grad for p in rnn.parameters()]
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
+
+
+def test_packed_gru_under_inference_mode_bitwise() -> None:
+    def fn() -> Any:
+        torch.manual_seed(1)
+        rnn = nn.GRU(4, 6)
+        seqs = [torch.randn(n, 4) for n in (5, 2, 3)]
+        with torch.inference_mode():
+            packed = nn.utils.rnn.pack_sequence(seqs, enforce_sorted=False)
+            out, h = rnn(packed)
+            o, n = nn.utils.rnn.pad_packed_sequence(out, total_length=7)
+        return o.clone(), h.clone(), n.clone()
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
+
+
+def test_unsafe_split_and_chunk_are_views() -> None:
+    # Note [unsafe views]: their outputs share the input's storage at its offset
+    def fn() -> Any:
+        a = torch.randn(6, 4) * 2
+        parts = a.unsafe_chunk(3, 0)
+        parts[1].add_(1)
+        real = torch.randn(6, 4)
+        sp = (*real[:4].unsafe_split(2, 0), *real[2:].unsafe_split(2, 0))  # same shapes, offsets
+        sp[3].mul_(3)  # differ: metadata learnt for one offset must not serve the other
+        return a, parts, real, sp, [p.storage_offset() for p in (*parts, *sp)]
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
