@@ -148,3 +148,30 @@ def test_unsafe_split_and_chunk_are_views() -> None:
 
     expected, got = _repeated(fn)
     assert_equal_tree(expected, got)
+
+
+def test_python_callbacks_run_on_values() -> None:
+    # Note [Python callbacks on values]: apply_ on a deferred tensor segfaulted, map_ raised
+    def fn() -> Any:
+        lazy = torch.ones(4) * 2
+        lazy.apply_(lambda v: v * 3 + 1)
+        real = torch.ones(4)
+        real.mul_(2)  # a pending write the callback must see
+        real.map_(lazy, lambda a, b: a * b)
+        other = torch.arange(4.0)
+        other.map2_(lazy, real, lambda a, b, c: a + b - c)
+        return lazy + 0, real + 0, other + 0
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
+
+
+def test_python_callbacks_refuse_grad_like_eager() -> None:
+    def fn() -> Any:
+        x = torch.ones(2, requires_grad=True) * 1
+        with pytest.raises(RuntimeError, match=r"Can't call apply_\(\) on Variable that requires"):
+            x.apply_(lambda v: v)
+        return x
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)

@@ -281,3 +281,42 @@ def install_parameter_patch() -> None:
             return _orig(cls_, data, *args, **kwargs)
 
         cls.__new__ = staticmethod(__new__)  # type: ignore[method-assign]
+
+
+# Note [Python callbacks on values]
+# ``Tensor.apply_``, ``map_`` and ``map2_`` call a Python function on every element, in C++, on
+# the tensor's memory (CPU only). A lazy tensor has no memory of its own: ``apply_`` segfaulted
+# on one (``torch.ones(4)`` is deferred, so ``torch.ones(4).apply_(f)`` under the engine), and
+# ``map_`` raised "not supported for tensor subclasses"; on a real tensor with pending writes
+# they read the data before those writes. So they run on values: this thread's pending trace
+# runs first, lazy arguments become their values, and the call returns the tensor it was given
+# (its value was written in place), as in eager. Eager's own check comes first: a tensor that
+# requires grad is refused with eager's message (the value of a lazy one does not require grad).
+_CALLBACK_METHODS = ("apply_", "map_", "map2_")
+
+
+def _on_values(orig: Any, name: str) -> Any:
+    def method(self: torch.Tensor, *args: Any) -> torch.Tensor:
+        if type(self) is LazyTensor and self.requires_grad:
+            raise RuntimeError(f"Can't call {name}() on Variable that requires grad. "
+                               f"Use var.detach().{name}() instead.")
+        from adaptive_eager.engine import _flush_before_handoff
+
+        _flush_before_handoff(f"read:{name}")
+        orig(resolve_all(self), *(resolve_all(a) for a in args))
+        return self
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = orig.__doc__
+    method._ae_hook = True  # type: ignore[attr-defined]
+    return method
+
+
+def _install_callback_methods() -> None:
+    for name in _CALLBACK_METHODS:
+        orig = getattr(torch.Tensor, name, None)
+        if orig is not None and not getattr(orig, "_ae_hook", False):
+            setattr(torch.Tensor, name, _on_values(orig, name))
+
+
+_install_callback_methods()
