@@ -102,6 +102,9 @@ SYM_GUARD_MEMO = 4096  # sizes whose guard verdict is remembered per program
 PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
 PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
+RARE_WINDOW = 512  # recent flushes a trace's share of the ops is counted over (Note [rare traces])
+RARE_RATIO = 10  # another trace ran this many times its ops there: rare, hot only later
+RARE_RECHECK = 64  # flushes a rare verdict is kept before it is counted again
 RECORD_S = 6e-6  # recording cost per op over eager's; measured at start (calibrate.py)
 REPLAY_EXTRA_S = 3e-6  # op-by-op replay's cost per op over eager's; measured at start too
 NO_REPEAT_FLUSHES = 300  # flushes after which a hit rate under 5% means traces do not repeat
@@ -673,6 +676,8 @@ class CompileManager:
         self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
         self._submitted: dict[str, float] = {}  # digest -> when its compile or load began
         self._measuring_since: dict[tuple, int] = {}  # Note [undecided means measuring too]
+        self._recent: collections.deque = collections.deque(maxlen=RARE_WINDOW)  # flushes' entries
+        self._rare_seen: dict[str, tuple[int, int]] = {}  # digest -> (flush, runs it needs)
         if options.disk_cache and self.backend.compiles:
             self.disk = DiskCache.open(resolve_cache_dir(options),
                                        options.cache_size_mb * 1024 * 1024)
@@ -797,6 +802,7 @@ class CompileManager:
         """The program to run this flush with, or None for op-by-op replay."""
         if not self.backend.compiles:
             return None
+        self._recent.append(entry)  # Note [rare traces]
         if entry.sym is not None:  # Note [symbolic dims] in shapes.py
             if not getattr(self.options, "symbolic_programs", False):
                 self._symbolic_replay(entry)
@@ -1010,9 +1016,48 @@ class CompileManager:
         # no numbers compared: a trace hot from those alone would bake in every number.
         seen = entry.observed >= min(self.options.hot_after, MIN_OBSERVED)
         hot = (entry.runs >= self.options.hot_after and seen) or entry.was_hot
+        if hot and not entry.was_hot and entry.runs < self._runs_needed(entry):
+            hot = False  # Note [rare traces]
         if hot and entry.state == "new":
             return self._submit(entry, trace, live)
         return None
+
+    def _runs_needed(self, entry: TraceEntry) -> int:
+        """Note [rare traces]
+        A trace is hot after ``hot_after`` runs, but a compile is worth only what the trace's
+        own runs can gain, and that is small for a trace that runs far less than another one:
+        ``generate()``'s prefill, its first decode step (the cache is the prefill's view, so
+        it is not the symbolic decode trace), its attention-mask set-up and a 2-op check in
+        the logits processor run once per call, against 31-63 runs of the decode trace. Each
+        became hot after 3 calls and compiled (10-30 s of a core each): a first process of the
+        varlen benchmark's four generate cases compiled 15 programs, 4 of them used. So over
+        the last RARE_WINDOW flushes each trace's ops are counted (runs x ops): where another
+        trace ran q >= RARE_RATIO times this trace's ops, it is hot only after hot_after x q
+        runs (roughly as many of its ops as the other had run when it became hot; the
+        prefill of a 32-token generation after about 90 calls). A loop split into several
+        traces of similar size (a step cut by ``.item()`` calls) is not affected; neither is a
+        trace an earlier process found hot (``was_hot``) nor a distributed job (whose ranks
+        agree on the hot run, Note [ranks agree]). The verdict is kept for RARE_RECHECK
+        flushes (counting is O(window), at the trace's hot runs only)."""
+        hot_after = self.options.hot_after
+        if entry.runs < hot_after or distributed.active():
+            return hot_after
+        seen = self._rare_seen.get(entry.digest)
+        if seen is not None and self.flushes - seen[0] < RARE_RECHECK:
+            return seen[1]
+        counts = collections.Counter(list(self._recent))  # list(): one C-level copy
+        mine = max(counts.get(entry, 0), 1) * max(entry.n_ops, 1)
+        top = max((c * e.n_ops for e, c in counts.items() if e is not entry), default=0)
+        q = top // mine
+        need = hot_after * q if q >= RARE_RATIO else hot_after
+        if len(self._rare_seen) > 4096:
+            self._rare_seen.clear()
+        self._rare_seen[entry.digest] = (self.flushes, need)
+        if need > hot_after and seen is None:
+            log.info("adaptive_eager: trace %s (%d ops) is rare: another trace ran %dx its ops "
+                     "over the last %d flushes; it compiles after %d runs", entry.digest[:12],
+                     entry.n_ops, q, len(self._recent), need)
+        return need
 
     # ---- compiling ----------------------------------------------------------------------------
     def _submit(self, entry: TraceEntry, trace: Trace, live: list[int]) -> tuple | None:
