@@ -58,6 +58,9 @@
 static PyObject *LazyT, *TensorT, *ParamT, *MetaT, *SLOTS, *make_wrapper, *set_bits, *Mobj,
     *NO_KWARGS, *TO_COPY, *fallback, *DEFER, *EngineT;
 static PyObject *TemplateT, *SymTraceT; /* shapes.Template, shapes.SymTrace (NULL: no template steps) */
+/* init_register's: lazy._METAS, torch.strided, TensorBase.untyped_storage,
+ * torch._C._is_torch_function_mode_enabled (METAS NULL: first uses left to Python) */
+static PyObject *METAS, *STRIDED, *storage_fn, *tf_mode_on;
 static int ready = 0;
 /* Attributes of the engine's __slots__ classes (Trace, TrieNode, OpSpec, Meta, Metrics) are read
  * and written at their member offsets when the object's type is exactly the class seen at init
@@ -73,6 +76,8 @@ typedef struct {
 static Fast f_ops, f_ext_ids, f_last, f_scalars, f_node, f_n_slots, f_refs, f_children, f_out, f_policy, f_view_arg, f_bool_index, f_structural, f_scalar_pos, f_scalar_kw, f_writes, f_wrapper_args, f_bits, f_ops_intercepted, f_ops_deferred;
 /* template steps: Trace.sym, TrieNode.sym, SymTrace.{tpl,s,outs,keys}, Template.{dead,steps,nodes,memo}, Metrics.sym_ops */
 static Fast f_tr_sym, f_node_sym, f_st_tpl, f_st_s, f_st_outs, f_st_keys, f_tpl_dead, f_tpl_steps, f_tpl_nodes, f_tpl_memo, f_sym_ops;
+/* first uses: Trace.{ext,groups,engine}, Meta.{mid,size,stride,dtype,device} */
+static Fast f_ext, f_groups, f_tr_engine, f_mid, f_msize, f_mstride, f_mdtype, f_mdevice;
 
 static inline PyObject *
 fget(PyObject *o, PyObject *name, Fast *f)
@@ -115,8 +120,8 @@ fast_init(Fast *f, PyObject *type, const char *name)
     }
 }
 
-static PyObject *ONE;
-static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0, n_sym = 0;
+static PyObject *ONE, *ZERO;
+static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0, n_sym = 0, n_ext = 0;
 
 static PyObject *s_ae_spec, *s_policy, *s_view_arg, *s_engine, *s_trace, *s_busy, *s_foreign,
     *s_ops, *s_ext_ids, *s_last, *s_scalars, *s_node, *s_children, *s_out, *s_n_slots, *s_refs,
@@ -124,6 +129,19 @@ static PyObject *s_ae_spec, *s_policy, *s_view_arg, *s_engine, *s_trace, *s_busy
     *s_scalar_pos, *s_scalar_kw, *s_writes, *s_ext_writes, *s_cap, *s_bool_index,
     *s_ops_intercepted, *s_ops_deferred, *s_sym, *s_tpl, *s_s, *s_outs, *s_keys, *s_dead,
     *s_steps, *s_nodes, *s_memo, *s_sym_ops;
+static PyObject *s_x, *s_ext, *s_groups, *s_shared, *s_mid, *s_size, *s_stride, *s_dtype,
+    *s_device, *s_layout, *s_is_quantized, *s_is_nested, *s_type, *s_is_conj, *s_is_neg,
+    *s_shape, *s_storage_offset, *s_data_ptr, *s_numel;
+
+#define MAX_NEW_EXT 64 /* first uses of externals numbered in C per op */
+/* A first use noted while checking (Trace.register's changes, made at commit). */
+typedef struct {
+    PyObject *t;     /* the tensor */
+    PyObject *addr;  /* its storage's address */
+    PyObject *group; /* its alias group's index */
+    PyObject *owner; /* another engine, whose lazy tensor this is (owner.shared), or NULL */
+    int new_group;   /* groups[addr] = group at commit */
+} NewExt;
 
 typedef struct {
     PyObject *tr;          /* borrowed from the engine for the call (held by a reference) */
@@ -137,7 +155,26 @@ typedef struct {
     int n_pending;
     PyObject *scalars[MAX_SCALARS]; /* borrowed: they live in args/kwargs */
     int n_scalars;
+    /* first uses (reg): tr.ext, tr.groups and their sizes, read at the first one */
+    PyObject *ext, *groups;
+    Py_ssize_t n_ext0, n_groups0;
+    int n_new_groups, tf_checked, n_nx;
+    NewExt nx[MAX_NEW_EXT];
 } Ctx;
+
+static void
+ctx_clear(Ctx *c)
+{
+    for (int k = 0; k < c->n_nx; k++) {
+        Py_DECREF(c->nx[k].t);
+        Py_DECREF(c->nx[k].addr);
+        Py_DECREF(c->nx[k].group);
+        Py_XDECREF(c->nx[k].owner);
+    }
+    c->n_nx = 0;
+    Py_CLEAR(c->ext);
+    Py_CLEAR(c->groups);
+}
 
 /* An error while checking: not the fast case. AttributeError is an expected "no" (an object
  * without the engine's attributes); any other Exception is counted as a fault. -1: not an
@@ -185,14 +222,61 @@ is_pending(PyObject *a)
     return pending;
 }
 
-/* Whether mode.is_host_scalar_op is surely false: a LazyTensor is among the arguments or
- * inside a list/tuple argument, or no tensor is there at all (a factory op: arange, full).
- * 0: real tensors only (Python asks their sizes and devices). */
+/* No torch-function mode is on (1; remembered for the op), 0 one is, -1 error. A mode would
+ * see C's reads of a tensor (Trace.register reads with modes off, so C leaves them to it). */
 static int
-any_lazy(PyObject *args)
+tf_modes_off(Ctx *c)
+{
+    if (c->tf_checked)
+        return 1;
+    if (tf_mode_on == NULL)
+        return 0; /* init_register not called: C does not know */
+    PyObject *on = PyObject_CallNoArgs(tf_mode_on);
+    if (on == NULL)
+        return -1;
+    Py_DECREF(on);
+    if (on != Py_False)
+        return 0;
+    c->tf_checked = 1;
+    return 1;
+}
+
+/* A real CPU tensor with at most one element (what mode.is_host_scalar_op asks of each
+ * tensor, in its order): 1 yes, 0 no, -1 error. */
+static int
+host_scalar(PyObject *a)
+{
+    PyObject *self[1] = {a};
+    PyObject *n = PyObject_VectorcallMethod(s_numel, self, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                            NULL);
+    if (n == NULL)
+        return -1;
+    int big = PyObject_RichCompareBool(n, ONE, Py_GT);
+    Py_DECREF(n);
+    if (big != 0)
+        return big < 0 ? -1 : 0;
+    PyObject *dev = PyObject_GetAttr(a, s_device);
+    if (dev == NULL)
+        return -1;
+    PyObject *dt = PyObject_GetAttr(dev, s_type);
+    Py_DECREF(dev);
+    if (dt == NULL)
+        return -1;
+    int cpu = PyUnicode_Check(dt) && PyUnicode_CompareWithASCIIString(dt, "cpu") == 0;
+    Py_DECREF(dt);
+    return cpu;
+}
+
+/* Whether mode.is_host_scalar_op is surely false: a LazyTensor is among the arguments or
+ * inside a list/tuple argument, no tensor is there at all (a factory op: arange, full), or a
+ * real Tensor/Parameter has more than one element or is off the CPU (``embedding(weight,
+ * ids)``). 0: it may be true (CPU scalars only, or a tensor subclass: Python decides). */
+static int
+not_host(Ctx *c, PyObject *args)
 {
     int tensors = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+    Py_ssize_t na = PyTuple_GET_SIZE(args);
+    for (Py_ssize_t i = 0; i < na; i++) {
         PyObject *a = PyTuple_GET_ITEM(args, i);
         if ((PyObject *)Py_TYPE(a) == LazyT)
             return 1;
@@ -208,10 +292,270 @@ any_lazy(PyObject *args)
         else
             tensors |= PyObject_TypeCheck(a, (PyTypeObject *)TensorT);
     }
-    return !tensors;
+    if (!tensors)
+        return 1;
+    /* real tensors only: ask them in is_host_scalar_op's order (pure reads), unless a
+     * torch-function mode would see the questions (Python asks them once) */
+    int off = tf_modes_off(c);
+    if (off <= 0)
+        return off;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        int seq = PyList_CheckExact(a) || PyTuple_CheckExact(a);
+        /* a list is read afresh at each item: asking a tensor may run Python code */
+        for (Py_ssize_t j = 0; j < (seq ? PySequence_Fast_GET_SIZE(a) : 1); j++) {
+            PyObject *x = seq ? PySequence_Fast_ITEMS(a)[j] : a;
+            PyTypeObject *t = Py_TYPE(x);
+            if ((PyObject *)t != TensorT && (PyObject *)t != ParamT) {
+                if ((PyObject *)t == LazyT || PyObject_TypeCheck(x, (PyTypeObject *)TensorT))
+                    return 0; /* a subclass: Python asks it (a lazy one put there meanwhile) */
+                continue;
+            }
+            Py_INCREF(x);
+            int hs = host_scalar(x);
+            Py_DECREF(x);
+            if (hs <= 0)
+                return hs < 0 ? -1 : 1;
+        }
+    }
+    return 0; /* every tensor a CPU scalar: a host-scalar op (Python) */
 }
 
-/* ~ext_ids[id(a)] as a new reference; NULL with no error when not registered. */
+/* (size, stride, offset, dtype, device, bits): intern_meta's key, as a new reference */
+static PyObject *
+meta_key(PyObject *size, PyObject *stride, PyObject *offset, PyObject *dtype, PyObject *device,
+         PyObject *bits)
+{
+    PyObject *sz = PySequence_Tuple(size);
+    if (sz == NULL)
+        return NULL;
+    PyObject *st = PySequence_Tuple(stride);
+    if (st == NULL) {
+        Py_DECREF(sz);
+        return NULL;
+    }
+    PyObject *k = PyTuple_Pack(6, sz, st, offset, dtype, device, bits);
+    Py_DECREF(sz);
+    Py_DECREF(st);
+    return k;
+}
+
+/* The interned Meta of ``key`` (new reference), or NULL: not interned yet (no error: Python's
+ * intern_meta makes it, in its order) or an error. */
+static PyObject *
+interned(PyObject *key)
+{
+    PyObject *m = PyDict_GetItemWithError(METAS, key); /* borrowed */
+    if (m == NULL || (PyObject *)Py_TYPE(m) != MetaT)
+        return NULL;
+    Py_INCREF(m);
+    return m;
+}
+
+static PyObject *
+call0(PyObject *a, PyObject *name)
+{
+    PyObject *self[1] = {a};
+    return PyObject_VectorcallMethod(name, self, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* The offset-0 Meta Trace.register interns for a plain Tensor/Parameter, as a new reference;
+ * NULL with no error where Python must number it (another layout, quantized, nested, on meta,
+ * a conj/neg view, metadata not interned yet). */
+static PyObject *
+plain_meta(PyObject *a)
+{
+    PyObject *v, *dev = NULL, *size = NULL, *stride = NULL, *off = NULL, *dtype = NULL;
+    PyObject *k = NULL, *m = NULL;
+    int ok;
+    if ((v = PyObject_GetAttr(a, s_layout)) == NULL)
+        return NULL;
+    ok = v == STRIDED;
+    Py_DECREF(v);
+    if (!ok)
+        return NULL;
+    if ((v = PyObject_GetAttr(a, s_is_quantized)) == NULL)
+        return NULL;
+    ok = v == Py_False;
+    Py_DECREF(v);
+    if (!ok)
+        return NULL;
+    if ((v = PyObject_GetAttr(a, s_is_nested)) == NULL)
+        return NULL;
+    ok = v == Py_False;
+    Py_DECREF(v);
+    if (!ok)
+        return NULL;
+    if ((dev = PyObject_GetAttr(a, s_device)) == NULL)
+        return NULL;
+    if ((v = PyObject_GetAttr(dev, s_type)) == NULL)
+        goto done;
+    ok = PyUnicode_CheckExact(v) && PyUnicode_CompareWithASCIIString(v, "meta") != 0;
+    Py_DECREF(v);
+    if (!ok)
+        goto done; /* a meta tensor (or a device type that is not a str): Python */
+    /* meta_of: bits from is_conj/is_neg; a conj or neg view goes to Python */
+    if ((v = call0(a, s_is_conj)) == NULL)
+        goto done;
+    ok = v == Py_False;
+    Py_DECREF(v);
+    if (!ok)
+        goto done;
+    if ((v = call0(a, s_is_neg)) == NULL)
+        goto done;
+    ok = v == Py_False;
+    Py_DECREF(v);
+    if (!ok)
+        goto done;
+    if ((size = PyObject_GetAttr(a, s_shape)) == NULL || (stride = call0(a, s_stride)) == NULL ||
+        (off = call0(a, s_storage_offset)) == NULL || (dtype = PyObject_GetAttr(a, s_dtype)) == NULL)
+        goto done;
+    if (!PyLong_CheckExact(off))
+        goto done;
+    /* meta_of(t) is interned with its offset first, then register's offset-0 one: both must
+     * exist already (else Python interns them, giving the same mids in the same order) */
+    if ((k = meta_key(size, stride, off, dtype, dev, ZERO)) == NULL || (m = interned(k)) == NULL)
+        goto done;
+    int zero = PyObject_RichCompareBool(off, ZERO, Py_EQ);
+    if (zero < 0) {
+        Py_CLEAR(m);
+        goto done;
+    }
+    if (!zero) {
+        Py_CLEAR(m);
+        Py_SETREF(k, meta_key(size, stride, ZERO, dtype, dev, ZERO));
+        if (k != NULL)
+            m = interned(k);
+    }
+done:
+    Py_XDECREF(dev);
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    Py_XDECREF(off);
+    Py_XDECREF(dtype);
+    Py_XDECREF(k);
+    return m;
+}
+
+/* Trace.register's common case, checked only: the key part ('x', mid, group) as a new
+ * reference, the numbering noted in c->nx (made at commit, in order). NULL with no error:
+ * Python numbers it (and the op goes there whole). */
+static PyObject *
+reg(Ctx *c, PyObject *a)
+{
+    if (METAS == NULL || c->n_nx >= MAX_NEW_EXT)
+        return NULL;
+    if (tf_modes_off(c) <= 0)
+        return NULL; /* a mode on the stack (the read guard, a user's): Python reads */
+    if (c->ext == NULL) {
+        if ((c->ext = GET(c->tr, ext)) == NULL || (c->groups = GET(c->tr, groups)) == NULL)
+            return NULL;
+        if (!PyList_CheckExact(c->ext) || !PyDict_CheckExact(c->groups))
+            return NULL;
+        c->n_ext0 = PyList_GET_SIZE(c->ext);
+        c->n_groups0 = PyDict_GET_SIZE(c->groups);
+        c->n_new_groups = 0;
+    }
+    PyObject *m = NULL, *real = NULL, *owner = NULL, *st = NULL, *addr = NULL, *group = NULL;
+    PyObject *mid = NULL, *part = NULL;
+    int new_group = 0;
+    if ((PyObject *)Py_TYPE(a) == LazyT) { /* a lazy tensor holding its value */
+        PyObject *meta = PyObject_GetAttr(a, s_ae_meta), *trace;
+        if (meta == NULL)
+            return NULL;
+        if ((PyObject *)Py_TYPE(meta) != MetaT) {
+            Py_DECREF(meta);
+            return NULL;
+        }
+        PyObject *size = NULL, *stride = NULL, *dtype = NULL, *device = NULL, *bits = NULL;
+        PyObject *k = NULL;
+        if ((size = fget(meta, s_size, &f_msize)) != NULL &&
+            (stride = fget(meta, s_stride, &f_mstride)) != NULL &&
+            (dtype = fget(meta, s_dtype, &f_mdtype)) != NULL &&
+            (device = fget(meta, s_device, &f_mdevice)) != NULL && (bits = GET(meta, bits)) != NULL)
+            k = meta_key(size, stride, ZERO, dtype, device, bits);
+        Py_XDECREF(size);
+        Py_XDECREF(stride);
+        Py_XDECREF(dtype);
+        Py_XDECREF(device);
+        Py_XDECREF(bits);
+        Py_DECREF(meta);
+        if (k == NULL)
+            return NULL;
+        m = interned(k);
+        Py_DECREF(k);
+        if (m == NULL)
+            return NULL;
+        if ((real = PyObject_GetAttr(a, s_ae_real)) == NULL || (trace = PyObject_GetAttr(a, s_ae_trace)) == NULL)
+            goto done;
+        owner = fget(trace, s_engine, &f_tr_engine);
+        Py_DECREF(trace);
+        if (owner == NULL)
+            goto done;
+        PyObject *mine = fget(c->tr, s_engine, &f_tr_engine);
+        if (mine == NULL)
+            goto done;
+        Py_DECREF(mine);
+        if (owner == mine) /* else another thread's value: its owner must keep the object */
+            Py_CLEAR(owner); /* a lazy tensor (owner.shared, Note [threads ...] in engine.py) */
+    }
+    else {
+        if ((m = plain_meta(a)) == NULL)
+            return NULL;
+        real = a;
+        Py_INCREF(real);
+    }
+    if ((mid = GET(m, mid)) == NULL || (st = PyObject_CallOneArg(storage_fn, real)) == NULL ||
+        (addr = call0(st, s_data_ptr)) == NULL)
+        goto done;
+    /* groups.setdefault(addr, len(groups)), with the first uses noted before this one */
+    group = PyDict_GetItemWithError(c->groups, addr);
+    if (group != NULL)
+        Py_INCREF(group);
+    else if (PyErr_Occurred())
+        goto done;
+    else {
+        for (int k = 0; k < c->n_nx && group == NULL; k++) {
+            if (!c->nx[k].new_group)
+                continue;
+            int eq = PyObject_RichCompareBool(c->nx[k].addr, addr, Py_EQ);
+            if (eq < 0)
+                goto done;
+            if (eq) {
+                group = c->nx[k].group;
+                Py_INCREF(group);
+            }
+        }
+        if (group == NULL) {
+            if ((group = PyLong_FromSsize_t(c->n_groups0 + c->n_new_groups)) == NULL)
+                goto done;
+            new_group = 1;
+        }
+    }
+    if ((part = PyTuple_Pack(3, s_x, mid, group)) == NULL)
+        goto done;
+    NewExt *e = &c->nx[c->n_nx++];
+    Py_INCREF(a);
+    e->t = a;
+    e->addr = addr;
+    e->group = group;
+    e->owner = owner;
+    e->new_group = new_group;
+    c->n_new_groups += new_group;
+    addr = group = owner = NULL;
+done:
+    Py_XDECREF(m);
+    Py_XDECREF(real);
+    Py_XDECREF(owner);
+    Py_XDECREF(st);
+    Py_XDECREF(addr);
+    Py_XDECREF(group);
+    Py_XDECREF(mid);
+    return part;
+}
+
+/* ~ext_ids[id(a)] as a new reference (or ~ its index among this op's first uses); else its
+ * first use, numbered as Trace.register does (reg). NULL with no error: not the fast case. */
 static PyObject *
 ext_key(Ctx *c, PyObject *a)
 {
@@ -220,9 +564,14 @@ ext_key(Ctx *c, PyObject *a)
         return NULL;
     PyObject *idx = PyDict_GetItemWithError(c->ext_ids, id); /* borrowed */
     Py_DECREF(id);
-    if (idx == NULL)
+    if (idx != NULL)
+        return PyNumber_Invert(idx);
+    if (PyErr_Occurred())
         return NULL;
-    return PyNumber_Invert(idx);
+    for (int k = 0; k < c->n_nx; k++)
+        if (c->nx[k].t == a) /* used again in this op */
+            return PyLong_FromSsize_t(~(c->n_ext0 + k));
+    return reg(c, a);
 }
 
 /* A tensor argument: the key part (new ref) and, for a pending lazy input of this trace, its
@@ -650,6 +999,9 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     Ctx c;
     c.n_pending = 0;
     c.n_scalars = 0;
+    c.n_nx = 0;
+    c.ext = c.groups = NULL;
+    c.tf_checked = 0;
 
     if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) == 0)
         return NULL;
@@ -712,8 +1064,8 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
                         goto notfast_maybe_err;
                 }
             }
-            int lazy = any_lazy(args); /* else it may be a host-scalar op: Python decides */
-            if (lazy <= 0)
+            int nh = not_host(&c, args); /* else it may be a host-scalar op: Python decides */
+            if (nh <= 0)
                 goto notfast_maybe_err;
         }
         Py_CLEAR(tmp);
@@ -1132,8 +1484,26 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
             Py_XDECREF(next_slots);
             goto notfast_clean;
         }
+    if (c.n_nx && (PyList_GET_SIZE(c.ext) != c.n_ext0 || PyDict_GET_SIZE(c.groups) != c.n_groups0)) {
+        Py_XDECREF(next_slots);
+        goto notfast_clean; /* numbered meanwhile (Python code run by a check): Python */
+    }
 
     /* ---- commit: the changes Engine.record makes, in its order ---- */
+    for (int k = 0; k < c.n_nx; k++) { /* Trace.register's, in the order of first use */
+        NewExt *e = &c.nx[k];
+        PyObject *id = PyLong_FromVoidPtr(e->t), *idx = PyLong_FromSsize_t(c.n_ext0 + k);
+        int err = id == NULL || idx == NULL ||
+                  (e->owner != NULL && PyObject_SetAttr(e->owner, s_shared, Py_True) < 0) ||
+                  (e->new_group && PyDict_SetItem(c.groups, e->addr, e->group) < 0) ||
+                  PyDict_SetItem(c.ext_ids, id, idx) < 0 || PyList_Append(c.ext, e->t) < 0;
+        Py_XDECREF(id);
+        Py_XDECREF(idx);
+        if (err) {
+            Py_XDECREF(next_slots);
+            goto failed;
+        }
+    }
     {
         PyObject *scal = GET(tr, scalars);
         int err = scal == NULL || !PyList_CheckExact(scal);
@@ -1173,8 +1543,10 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     if (eset(eng, ed, s_busy, Py_False) < 0)
         goto failed;
     n_fast++;
+    n_ext += c.n_nx;
     if (sym_state != NULL)
         n_sym++;
+    ctx_clear(&c);
     Py_XDECREF(sym_state);
     Py_XDECREF(sym_outs);
     Py_XDECREF(sym_keys);
@@ -1225,6 +1597,7 @@ notfast_clean:
     if (busy_set && eset(eng, ed, s_busy, Py_False) < 0)
         PyErr_Clear();
 cleanup:
+    ctx_clear(&c);
     Py_XDECREF(sym_state);
     Py_XDECREF(sym_outs);
     Py_XDECREF(sym_keys);
@@ -1314,6 +1687,14 @@ hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
     fast_init(&f_writes, av[14], "writes");
     fast_init(&f_wrapper_args, av[3], "wrapper_args");
     fast_init(&f_bits, av[3], "bits");
+    fast_init(&f_mid, av[3], "mid");
+    fast_init(&f_msize, av[3], "size");
+    fast_init(&f_mstride, av[3], "stride");
+    fast_init(&f_mdtype, av[3], "dtype");
+    fast_init(&f_mdevice, av[3], "device");
+    fast_init(&f_ext, av[12], "ext");
+    fast_init(&f_groups, av[12], "groups");
+    fast_init(&f_tr_engine, av[12], "engine");
     fast_init(&f_ops_intercepted, (PyObject *)Py_TYPE(av[7]), "ops_intercepted");
     fast_init(&f_ops_deferred, (PyObject *)Py_TYPE(av[7]), "ops_deferred");
     Py_INCREF(av[15]);
@@ -1344,22 +1725,42 @@ hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
+/* init_register(METAS, strided, untyped_storage, tf_mode_enabled): lazy._METAS (intern_meta's
+ * dict, never rebound), torch.strided, torch._C.TensorBase.untyped_storage and
+ * torch._C._is_torch_function_mode_enabled: C then numbers first uses of externals itself. */
+static PyObject *
+hot_init_register(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
+{
+    if (n != 4 || !PyDict_CheckExact(av[0]) || !PyCallable_Check(av[2]) || !PyCallable_Check(av[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "init_register(METAS: dict, strided, untyped_storage, tf_mode_enabled)");
+        return NULL;
+    }
+    PyObject **dst[4] = {&METAS, &STRIDED, &storage_fn, &tf_mode_on};
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(av[i]);
+        Py_XSETREF(*dst[i], av[i]);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 hot_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
     Fast *fs[] = {&f_ops, &f_ext_ids, &f_last, &f_scalars, &f_node, &f_n_slots, &f_refs, &f_children, &f_out, &f_policy, &f_view_arg, &f_bool_index, &f_structural, &f_scalar_pos, &f_scalar_kw, &f_writes, &f_wrapper_args, &f_bits, &f_ops_intercepted, &f_ops_deferred,
-                  &f_tr_sym, &f_node_sym, &f_st_tpl, &f_st_s, &f_st_outs, &f_st_keys, &f_tpl_dead, &f_tpl_steps, &f_tpl_nodes, &f_tpl_memo, &f_sym_ops};
+                  &f_tr_sym, &f_node_sym, &f_st_tpl, &f_st_s, &f_st_outs, &f_st_keys, &f_tpl_dead, &f_tpl_steps, &f_tpl_nodes, &f_tpl_memo, &f_sym_ops,
+                  &f_ext, &f_groups, &f_tr_engine, &f_mid, &f_msize, &f_mstride, &f_mdtype, &f_mdevice};
     Py_ssize_t direct = 0;
     for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++)
         direct += fs[i]->t != NULL && fs[i]->off >= 0;
-    return Py_BuildValue("{snsnsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
-                         "sym", n_sym, "direct_fields", direct);
+    return Py_BuildValue("{snsnsnsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
+                         "sym", n_sym, "ext", n_ext, "direct_fields", direct);
 }
 
 static PyObject *
 hot_reset_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
-    n_fast = n_slow = n_fault = n_sym = 0;
+    n_fast = n_slow = n_fault = n_sym = n_ext = 0;
     Py_RETURN_NONE;
 }
 
@@ -1372,10 +1773,14 @@ static PyMethodDef methods[] = {
      "NO_KWARGS, TO_COPY, DEFER, fallback, Trace, TrieNode, OpSpec, Engine[, Template, "
      "SymTrace]): the engine's objects, once (without shapes' classes template steps are "
      "left to Python)."},
+    {"init_register", (PyCFunction)(void (*)(void))hot_init_register, METH_FASTCALL,
+     "init_register(METAS, strided, untyped_storage, tf_mode_enabled): lazy._METAS, "
+     "torch.strided, TensorBase.untyped_storage, torch._C._is_torch_function_mode_enabled; C "
+     "then numbers first uses of external tensors as Trace.register does (without it, Python)."},
     {"stats", hot_stats, METH_NOARGS,
-     "Ops recorded in C (fast; sym: of those, template steps), handed to the Python path "
-     "(slow), errors met while checking (faults: the Python path then ran the op), __slots__ "
-     "fields read at their offsets."},
+     "Ops recorded in C (fast; sym: of those, template steps; ext: first uses of external "
+     "tensors numbered in C), handed to the Python path (slow), errors met while checking "
+     "(faults: the Python path then ran the op), __slots__ fields read at their offsets."},
     {"reset_stats", hot_reset_stats, METH_NOARGS, "Zero the counters of stats()."},
     {NULL, NULL, 0, NULL},
 };
@@ -1393,7 +1798,7 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__hot(void)
 {
-    if ((ONE = PyLong_FromLong(1)) == NULL)
+    if ((ONE = PyLong_FromLong(1)) == NULL || (ZERO = PyLong_FromLong(0)) == NULL)
         return NULL;
     INTERN(s_ae_spec, "_ae_spec");
     INTERN(s_policy, "policy");
@@ -1436,5 +1841,24 @@ PyInit__hot(void)
     INTERN(s_nodes, "nodes");
     INTERN(s_memo, "memo");
     INTERN(s_sym_ops, "sym_ops");
+    INTERN(s_x, "x");
+    INTERN(s_ext, "ext");
+    INTERN(s_groups, "groups");
+    INTERN(s_shared, "shared");
+    INTERN(s_mid, "mid");
+    INTERN(s_size, "size");
+    INTERN(s_stride, "stride");
+    INTERN(s_dtype, "dtype");
+    INTERN(s_device, "device");
+    INTERN(s_layout, "layout");
+    INTERN(s_is_quantized, "is_quantized");
+    INTERN(s_is_nested, "is_nested");
+    INTERN(s_type, "type");
+    INTERN(s_is_conj, "is_conj");
+    INTERN(s_is_neg, "is_neg");
+    INTERN(s_shape, "shape");
+    INTERN(s_storage_offset, "storage_offset");
+    INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_numel, "numel");
     return PyModule_Create(&module_def);
 }

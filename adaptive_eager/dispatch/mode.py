@@ -159,6 +159,12 @@ if _hot is not None:
                   _set_bits, M, _NO_KWARGS, _TO_COPY, DEFER,
                   DeferMode.__dict__["__torch_dispatch__"], Trace, TrieNode, OpSpec, Engine,
                   Template, SymTrace)
+        # first uses of externals numbered in C too (Trace.register's common case)
+        from adaptive_eager.dispatch.lazy import _METAS
+        from adaptive_eager.trace import _storage
+
+        _hot.init_register(_METAS, torch.strided, _storage,
+                           torch._C._is_torch_function_mode_enabled)
     except Exception as err:  # an extension built from other sources: the Python path runs
         import logging
 
