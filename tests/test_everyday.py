@@ -175,3 +175,45 @@ def test_python_callbacks_refuse_grad_like_eager() -> None:
 
     expected, got = _repeated(fn)
     assert_equal_tree(expected, got)
+
+
+def _tiny_hf(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, vocab_size=97)
+    torch.manual_seed(0)
+    if name == "mixtral":  # mixture of experts: routing by topk, tokens gathered per expert
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(  # relative buckets
+        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "t5"])
+def test_hugging_face_training_and_beam_search_bitwise(name: str) -> None:
+    def fn() -> Any:
+        model = _tiny_hf(name)
+        torch.manual_seed(1)
+        ids = torch.randint(3, 97, (2, 9))
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[0, -2:] = 0
+        extra = ({"labels": ids} if name == "mixtral" else
+                 {"labels": torch.randint(3, 97, (2, 5))})
+        opt = torch.optim.AdamW(model.parameters(), 1e-3)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(input_ids=ids, attention_mask=mask, **extra).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(ids[:, :5], attention_mask=mask[:, :5], max_new_tokens=4,
+                                 num_beams=3, do_sample=False, pad_token_id=0)
+        return losses, out
+
+    expected, got = _repeated(fn, reps=2)
+    assert_equal_tree(expected, got)
