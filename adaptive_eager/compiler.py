@@ -102,8 +102,8 @@ SYM_GUARD_MEMO = 4096  # sizes whose guard verdict is remembered per program
 PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
 PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
-RARE_WINDOW = 512  # recent flushes a trace's share of the ops is counted over (Note [rare traces])
-RARE_RATIO = 10  # another trace ran this many times its ops there: rare, hot only later
+RARE_WINDOW = 512  # recent flushes a trace's share of the time is counted over (Note [rare traces])
+RARE_RATIO = 10  # another trace took this many times its op-by-op time there: rare, hot later
 RARE_RECHECK = 64  # flushes a rare verdict is kept before it is counted again
 RECORD_S = 6e-6  # recording cost per op over eager's; measured at start (calibrate.py)
 REPLAY_EXTRA_S = 3e-6  # op-by-op replay's cost per op over eager's; measured at start too
@@ -194,6 +194,12 @@ def progress(label: str, stream: Any = None) -> Iterator[None]:
         if elapsed >= 2.0:
             out.write(f"\radaptive_eager: compiled {label} in {elapsed:.1f}s\n")
             out.flush()
+
+
+def _run_time(entry: TraceEntry) -> float:
+    """A trace's time per run, op by op where measured (Note [rare traces]); 0.0: unknown."""
+    xs = list(entry.replay_s) or list(entry.fused_s)
+    return _median(xs) if xs else 0.0
 
 
 def _median(xs: list[float]) -> float:
@@ -1031,14 +1037,16 @@ class CompileManager:
         the logits processor run once per call, against 31-63 runs of the decode trace. Each
         became hot after 3 calls and compiled (10-30 s of a core each): a first process of the
         varlen benchmark's four generate cases compiled 15 programs, 4 of them used. So over
-        the last RARE_WINDOW flushes each trace's ops are counted (runs x ops): where another
-        trace ran q >= RARE_RATIO times this trace's ops, it is hot only after hot_after x q
-        runs (roughly as many of its ops as the other had run when it became hot; the
-        prefill of a 32-token generation after about 90 calls). A loop split into several
-        traces of similar size (a step cut by ``.item()`` calls) is not affected; neither is a
-        trace an earlier process found hot (``was_hot``) nor a distributed job (whose ranks
-        agree on the hot run, Note [ranks agree]). The verdict is kept for RARE_RECHECK
-        flushes (counting is O(window), at the trace's hot runs only)."""
+        the last RARE_WINDOW flushes each trace's time is counted (runs there x its median
+        op-by-op time, or fused time if it never ran op by op): where another trace took q >=
+        RARE_RATIO times this trace's, it is hot only after hot_after x q runs (the prefill of
+        a 32-token generation after some 100 calls). Time, not op counts: a foreach optimizer
+        trace of 15 ops can weigh as much as an 800-op forward and backward (op counts made it
+        rare at q ~ 50). A loop split into several traces of similar weight (a step cut by
+        ``.item()`` calls) is not affected; neither is a trace an earlier process found hot
+        (``was_hot``), a trace with no timing yet, nor a distributed job (whose ranks agree on
+        the hot run, Note [ranks agree]; timings differ between ranks). The verdict is kept
+        for RARE_RECHECK flushes (counting is O(window), at the trace's hot runs only)."""
         hot_after = self.options.hot_after
         if entry.runs < hot_after or distributed.active():
             return hot_after
@@ -1046,16 +1054,20 @@ class CompileManager:
         if seen is not None and self.flushes - seen[0] < RARE_RECHECK:
             return seen[1]
         counts = collections.Counter(list(self._recent))  # list(): one C-level copy
-        mine = max(counts.get(entry, 0), 1) * max(entry.n_ops, 1)
-        top = max((c * e.n_ops for e, c in counts.items() if e is not entry), default=0)
-        q = top // mine
+        own = _run_time(entry)
+        q = 0
+        if own:
+            mine = max(counts.get(entry, 0), 1) * own
+            top = max((c * t for e, c in counts.items() if e is not entry
+                       for t in (_run_time(e),) if t), default=0.0)
+            q = int(top / mine)
         need = hot_after * q if q >= RARE_RATIO else hot_after
         if len(self._rare_seen) > 4096:
             self._rare_seen.clear()
         self._rare_seen[entry.digest] = (self.flushes, need)
         if need > hot_after and seen is None:
-            log.info("adaptive_eager: trace %s (%d ops) is rare: another trace ran %dx its ops "
-                     "over the last %d flushes; it compiles after %d runs", entry.digest[:12],
+            log.info("adaptive_eager: trace %s (%d ops) is rare: another trace took %dx its "
+                     "time over the last %d flushes; it compiles after %d runs", entry.digest[:12],
                      entry.n_ops, q, len(self._recent), need)
         return need
 
