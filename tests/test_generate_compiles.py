@@ -147,6 +147,35 @@ def test_rare_trace_compiles_later_not_never(graph_backend: object) -> None:
     assert compiles[-1] == 2  # and then it compiled (B's run hot_after * q)
 
 
+def test_foreach_optimizer_trace_is_not_rare(graph_backend: object) -> None:
+    """A step cut by ``loss.item()`` before ``opt.step()``: a 343-op forward and backward and an
+    8-op AdamW foreach trace over 48 tensors, which takes about as long. Weighed by op counts
+    the optimizer trace read as rare (q ~ 40); by time it is not, and both compile."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(24) for m in (nn.Linear(16, 16), nn.Tanh())])
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def train(model: nn.Module) -> list[float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        out = []
+        for _ in range(6):
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            loss.backward()
+            out.append(loss.item())
+            opt.step()
+        return out
+
+    ref = train(build())
+    with ae.adaptive_eager(backend=graph_backend.name,  # type: ignore[attr-defined]
+                           compile_async=False, step_aside=False):
+        got = train(build())
+    assert got == ref
+    assert ae.metrics()["compiles"] == 2
+
+
 # ---- Hugging Face models with Inductor (slow: one dynamic-size compile per case) -----------
 def _hf(arch: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
