@@ -32,6 +32,90 @@ aten = torch.ops.aten
 _LERP_TENSOR = {aten.lerp_.Scalar: aten.lerp_.Tensor, aten.lerp.Scalar: aten.lerp.Tensor}
 
 
+# Note [foreach scalar lists]
+# Inductor lowers no foreach op that takes a list of numbers (``ScalarList``; torch 2.13): one
+# such op runs as an aten call over all its tensors. AdamW(foreach=True) has two per step, its
+# bias corrections in ``_foreach_div_`` and ``_foreach_addcdiv_``: two extra passes over the
+# parameters and optimizer state. In a trace on CPU the list becomes 0-d tensors (a lifted
+# number's own float64 placeholder, with no ``item``; a baked one a ``scalar_tensor``
+# constant) and the op its ``List`` overload, which Inductor fuses with its neighbours;
+# ``addcdiv``/``addcmul`` have no list overload: ``tensor1`` is scaled by the list first and
+# added with ``value=1``, ``self + (s * t1) / t2``, the order of eager's CPU kernel. A 0-d
+# tensor promotes as a Python number of its kind does (it never raises the dtype of a tensor
+# with dims of its own category), except a float against an integral tensor: a Python float
+# gives the default dtype, a float64 0-d tensor float64. In-place ops on integral tensors with
+# a float raise in eager (never traced); an out-of-place one with floats (and the ``tensor1``
+# that ``addcdiv``/``addcmul`` scale) is rewritten only where each tensor is known here to be
+# floating: an input, or a value the user still holds such as a gradient (an intermediate's
+# dtype is not kept). Lists with complex numbers, and traces that touch another device
+# (untested: Inductor copies CPU scalars to the device only for some of its inputs), keep the
+# aten call.
+_FOREACH_LIST = {getattr(getattr(aten, f"_foreach_{n}{s}"), "ScalarList"):
+                 getattr(getattr(aten, f"_foreach_{n}{s}"), "List")
+                 for n in ("add", "sub", "mul", "div") for s in ("", "_")}
+_FOREACH_ADDC = {getattr(getattr(aten, f"_foreach_{n}{s}"), "ScalarList"):
+                 getattr(getattr(aten, f"_foreach_{n}{s}"), "Scalar")
+                 for n in ("addcdiv", "addcmul") for s in ("", "_")}
+_IN_PLACE_LIST = frozenset(op for op in (*_FOREACH_LIST, *_FOREACH_ADDC)
+                           if op._schema.name.endswith("_"))
+_SCALAR_DTYPES = {float: torch.float64, int: torch.int64, bool: torch.bool}
+
+
+def _scalar_list(g: fx.Graph, op: Any, args: tuple, cargs: tuple, trace: Trace,
+                 reals: list[torch.Tensor]) -> tuple[Any, tuple] | None:
+    """(op, graph args) for a foreach ScalarList op as 0-d tensors, or None to keep it
+    (Note [foreach scalar lists])."""
+    at = 1 if op in _FOREACH_LIST else 3
+    if len(cargs) != at + 1 or not isinstance(cargs[at], (list, tuple)):
+        return None
+    if any(type(v) is complex for v in args[at]):
+        return None
+    if any(type(v) is float for v in args[at]):
+        # floats: out of place, every tensor must be known to be floating; addcdiv/addcmul
+        # scale tensor1 on its own, so it must be floating too (a float self may take ints)
+        known = args[:at] if op not in _IN_PLACE_LIST else args[1:2] if at == 3 else ()
+        if not all(_floating(t, trace, reals) for a in known for t in a):
+            return None
+    items = []
+    for v, c in zip(args[at], cargs[at]):
+        if isinstance(c, fx.Node):
+            if c.target is not aten.item.default:  # a size that follows s: keep the op
+                return None
+            items.append(c.args[0])  # the lifted number's 0-d float64 placeholder
+        else:
+            dtype = _SCALAR_DTYPES.get(type(v))
+            if dtype is None:
+                return None
+            items.append(g.call_function(aten.scalar_tensor.default, (v,), {"dtype": dtype}))
+    for c in cargs[at]:
+        if isinstance(c, fx.Node) and not c.users:
+            g.erase_node(c)
+    if op in _FOREACH_LIST:
+        return _FOREACH_LIST[op], (cargs[0], items)
+    scaled = g.call_function(aten._foreach_mul.List, (cargs[1], items))
+    return _FOREACH_ADDC[op], (cargs[0], scaled, cargs[2], 1)
+
+
+def _floating(t: Any, trace: Trace, reals: list[torch.Tensor]) -> bool:
+    """Whether a recorded tensor argument is known to be floating: an external, or a pending
+    value the user still holds (its lazy tensor has the dtype; a dead one is unknown)."""
+    if type(t) is Slot:
+        w = trace.refs[t.i]() if t.i < len(trace.refs) else None
+        return w is not None and w._ae_meta.dtype.is_floating_point
+    return reals[trace.ext_ids[id(t)]].is_floating_point()
+
+
+def _all_cpu(trace: Trace, reals: list[torch.Tensor]) -> bool:
+    """Whether the trace's inputs are on CPU and no op names another device."""
+    if any(t.device.type != "cpu" for t in reals):
+        return False
+    for _op, _args, kwargs, _ in trace.ops:
+        d = kwargs.get("device")
+        if d is not None and torch.device(d).type != "cpu":
+            return False
+    return True
+
+
 # Fused optimizer kernels (``AdamW(fused=True)`` & co.) mutate lists of tensors in one op.
 # AOTAutograd's functionalization of the in-place op asserts ("mutating a non-functional tensor
 # with a functional tensor", torch 2.13, any inputs); their generated functional variants work.
@@ -324,6 +408,7 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
         poly_node = _symbol_node(g, ext_nodes, sources)
         dynamic = tuple(dims.get(item[1], ()) for item in plan)
     baked = tuple(i for i in range(len(scalars)) if i not in varying)
+    on_cpu = _all_cpu(trace, reals)
     env: dict[int, fx.Node] = {}
     scalar_pos = [0]
 
@@ -351,6 +436,10 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
             weight = g.call_function(aten.scalar_tensor.default, (cargs[2],),
                                      {"dtype": _dtype_of(args[0], trace)})
             op, cargs = _LERP_TENSOR[op], (cargs[0], cargs[1], weight)
+        elif (op in _FOREACH_LIST or op in _FOREACH_ADDC) and not ckw and on_cpu:
+            listed = _scalar_list(g, op, args, cargs, trace, reals)
+            if listed is not None:
+                op, cargs = listed
         op = _BIT_VIEWS.get(op, op)
         variant = _functional_variant(op)
         if variant is not None:
