@@ -30,7 +30,7 @@ from adaptive_eager.execute import live_slots, poison, publish, replay
 from adaptive_eager.fused import run_fused
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import SLOTS, Trace, Unsupported, slot_marker
+from adaptive_eager.trace import SLOTS, Trace, Unsupported, _storage, slot_marker
 from adaptive_eager.shapes import _MISSING as _SYM_MISS, configure as configure_shapes
 from adaptive_eager.shapes import note_hit as sym_note_hit, predict as sym_predict
 from adaptive_eager.shapes import replay_checked, step as sym_step
@@ -736,7 +736,7 @@ class Engine:
         out = self.run_fallback(op, spec, args, kwargs, "inplace_view")
         target = args[0]
         if type(target) is LazyTensor:
-            _refresh_wrapper(target, spec)
+            _refresh_wrapper(target)
         return out
 
     def engine_error(self, err: BaseException, spec: OpSpec) -> str:
@@ -892,16 +892,18 @@ def _spec_of(out: Any) -> Any:
     raise Unsupported(f"op returned {type(out).__name__}")
 
 
-def _refresh_wrapper(w: LazyTensor, spec: OpSpec) -> None:
+def _refresh_wrapper(w: LazyTensor) -> None:
+    """Make a wrapper follow its value's new sizes, strides and offset (trap 3)."""
     real = w._ae_real
     assert real is not None
     with _DisableDispatch(), _DisableFunction():
         meta = meta_of(real)
         try:
             torch.ops.aten.as_strided_.default(w, meta.size, meta.stride, meta.offset)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"adaptive_eager: {spec.name} grew a tensor made under the engine beyond the "
-                "memory it was created with; call adaptive_eager.sync() and make the tensor "
-                "outside the engine, or resize a new tensor instead") from err
+        except RuntimeError:
+            # Grown past the wrapper's own (empty) storage, made for its first sizes (``resize_``
+            # or ``resize_as_`` to more elements): the wrapper takes its value's storage, which
+            # the resize reallocated; ops on it still reach the engine (its dispatch keys stay)
+            torch.ops.aten.set_.source_Storage_storage_offset(
+                w, _storage(real), meta.offset, meta.size, meta.stride)
     w._ae_meta = meta

@@ -217,3 +217,20 @@ def test_hugging_face_training_and_beam_search_bitwise(name: str) -> None:
 
     expected, got = _repeated(fn, reps=2)
     assert_equal_tree(expected, got)
+
+
+def test_resize_grows_tensors_made_under_the_engine() -> None:
+    # engine._refresh_wrapper: a grown wrapper takes its value's storage (a clear error before)
+    def fn() -> Any:
+        a = torch.ones(3)  # deferred: a factory op with no tensor argument
+        a.resize_(5)
+        a[3:] = 0.5
+        b = torch.ones(2) * 3
+        b.resize_as_(torch.zeros(4, 2))
+        b.fill_(1.5)
+        c = torch.arange(6.0) * 2
+        c.resize_(2, 2)
+        return a * 2, b * 1, c + 1, a.shape, b.stride()
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)

@@ -111,7 +111,7 @@ def _fallback(eng: Engine, op: Any, spec: OpSpec, args: tuple, kwargs: dict,
             with _DisableFunction():
                 moved = meta_of(o._ae_real) is not o._ae_meta
             if moved:
-                _refresh_wrapper(o, spec)
+                _refresh_wrapper(o)
     return out
 
 
