@@ -234,3 +234,23 @@ def test_resize_grows_tensors_made_under_the_engine() -> None:
 
     expected, got = _repeated(fn)
     assert_equal_tree(expected, got)
+
+
+def test_swap_tensors_of_pending_tensors() -> None:
+    # regions.swap_call: the engine's weak references made swapping a lazy tensor raise
+    def fn() -> Any:
+        t1, t2 = torch.ones(2) * 2, torch.zeros(2) * 1
+        r = torch.arange(2.0)
+        s = r * 3  # a pending read of r: it must see r's value before the swap
+        torch.utils.swap_tensors(r, t1)
+        torch.manual_seed(1)
+        model = nn.Linear(3, 3)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to(torch.float64)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        return t1, t2, r, s, model(torch.ones(1, 3, dtype=torch.float64))
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)

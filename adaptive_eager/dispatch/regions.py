@@ -376,8 +376,31 @@ def storage_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def swap_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``torch.utils.swap_tensors``: it exchanges two tensors' Python objects' contents, so
+    this thread's pending trace runs first (a trace holding either as an input would read the
+    other afterwards), and lazy tensors get their values: the engine's weak references to them
+    (its live-slot table) go with the flushed trace; before, swapping a lazy tensor raised
+    "Cannot swap t2 because it has weakref associated with it"."""
+    if getattr(fn, "_ae_region", False):
+        return fn
+
+    @functools.wraps(fn)
+    def swap_tensors(t1: Any, t2: Any) -> Any:
+        from adaptive_eager.engine import _flush_before_handoff
+
+        _flush_before_handoff("swap_tensors")
+        for t in (t1, t2):
+            if type(t) is LazyTensor:
+                materialize(t)
+        return fn(t1, t2)
+
+    swap_tensors._ae_region = True  # type: ignore[attr-defined]
+    return swap_tensors
+
+
 _installed = {"compile": False, "dynamo": False, "export": False, "dtype": False,
-              "storage": False}
+              "storage": False, "swap": False}
 _install_lock = threading.RLock()  # two threads starting engines must not patch twice
 
 
@@ -414,6 +437,9 @@ def _install() -> None:
         _installed["dtype"] = True
         for name in ("set_default_dtype", "set_default_tensor_type"):
             setattr(torch, name, default_dtype_call(getattr(torch, name)))
+    if not _installed["swap"]:
+        _installed["swap"] = True
+        torch.utils.swap_tensors = swap_call(torch.utils.swap_tensors)
     if not _installed["storage"]:
         _installed["storage"] = True
         for name in _STORAGE_METHODS:
