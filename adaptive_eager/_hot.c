@@ -121,7 +121,7 @@ fast_init(Fast *f, PyObject *type, const char *name)
 }
 
 static PyObject *ONE, *ZERO;
-static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0, n_sym = 0, n_ext = 0;
+static Py_ssize_t n_fast = 0, n_slow = 0, n_fault = 0, n_sym = 0, n_ext = 0, n_handed = 0;
 
 static PyObject *s_ae_spec, *s_policy, *s_view_arg, *s_engine, *s_trace, *s_busy, *s_foreign,
     *s_ops, *s_ext_ids, *s_last, *s_scalars, *s_node, *s_children, *s_out, *s_n_slots, *s_refs,
@@ -131,7 +131,7 @@ static PyObject *s_ae_spec, *s_policy, *s_view_arg, *s_engine, *s_trace, *s_busy
     *s_steps, *s_nodes, *s_memo, *s_sym_ops;
 static PyObject *s_x, *s_ext, *s_groups, *s_shared, *s_mid, *s_size, *s_stride, *s_dtype,
     *s_device, *s_layout, *s_is_quantized, *s_is_nested, *s_type, *s_is_conj, *s_is_neg,
-    *s_shape, *s_storage_offset, *s_data_ptr, *s_numel;
+    *s_shape, *s_storage_offset, *s_data_ptr, *s_numel, *s_run_view, *s_run_host_scalar;
 
 #define MAX_NEW_EXT 64 /* first uses of externals numbered in C per op */
 /* A first use noted while checking (Trace.register's changes, made at commit). */
@@ -267,10 +267,11 @@ host_scalar(PyObject *a)
     return cpu;
 }
 
-/* Whether mode.is_host_scalar_op is surely false: a LazyTensor is among the arguments or
+/* Whether mode.is_host_scalar_op is surely false (1): a LazyTensor is among the arguments or
  * inside a list/tuple argument, no tensor is there at all (a factory op: arange, full), or a
  * real Tensor/Parameter has more than one element or is off the CPU (``embedding(weight,
- * ids)``). 0: it may be true (CPU scalars only, or a tensor subclass: Python decides). */
+ * ids)``). 2: surely true (real CPU scalars only). 0: C does not know (a tensor subclass, a
+ * torch-function mode on: Python asks). -1: an error. */
 static int
 not_host(Ctx *c, PyObject *args)
 {
@@ -318,7 +319,7 @@ not_host(Ctx *c, PyObject *args)
                 return hs < 0 ? -1 : 1;
         }
     }
-    return 0; /* every tensor a CPU scalar: a host-scalar op (Python) */
+    return 2; /* every tensor a CPU scalar: surely a host-scalar op */
 }
 
 /* (size, stride, offset, dtype, device, bits): intern_meta's key, as a new reference */
@@ -979,6 +980,33 @@ done:
     return res;
 }
 
+/* DeferMode.__torch_dispatch__'s next step where C's early exits already know it (a view of
+ * a real tensor: eng.run_view; a host-scalar op: eng.run_host_scalar): M.ops_intercepted += 1,
+ * then eng.<name>(func, spec, args, kwargs or _NO_KWARGS), as the Python handler does after
+ * the same checks; its pass over them is skipped. *handed: 1 once the counter moved (the
+ * result, or the method's error, is the op's); 0 nothing done (the Python path runs it). */
+static PyObject *
+hand_off(PyObject *mode, PyObject *name, PyObject *func, PyObject *spec, PyObject *args,
+         PyObject *kwargs, int *handed)
+{
+    *handed = 0;
+    PyObject *eng = PyObject_GetAttr(mode, s_engine);
+    if (eng == NULL)
+        return NULL;
+    if (bump(s_ops_intercepted, &f_ops_intercepted) < 0) {
+        Py_DECREF(eng);
+        return NULL;
+    }
+    *handed = 1;
+    n_slow++;
+    n_handed++;
+    PyObject *kw = (kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0) ? NO_KWARGS : kwargs;
+    PyObject *stack[5] = {eng, func, spec, args, kw};
+    PyObject *r = PyObject_VectorcallMethod(name, stack, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(eng);
+    return r;
+}
+
 /* The fast path. A new reference on success; NULL with no error set when the op is not the
  * fast case (nothing was changed); NULL with an error only when a change of the trace failed
  * midway (out of memory), which propagates as it would from Engine.record. */
@@ -995,7 +1023,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     PyObject *news[MAX_OUTS], *newrefs[MAX_OUTS]; /* new lazy outputs, their weak refs */
     int n_new = 0, n_refs = 0;
     PyObject *slots_val = NULL; /* the tr.ops entry's output slots */
-    int busy_set = 0;
+    int busy_set = 0, was_handed = 0;
     Ctx c;
     c.n_pending = 0;
     c.n_scalars = 0;
@@ -1057,14 +1085,22 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
                     goto notfast;
                 if (vi >= 0 && vi < nargs) {
                     PyObject *base = PyTuple_GET_ITEM(args, vi);
-                    if ((PyObject *)Py_TYPE(base) != LazyT)
-                        goto notfast_clean;
-                    int pending = is_pending(base);
-                    if (pending <= 0)
-                        goto notfast_maybe_err;
+                    int pending = (PyObject *)Py_TYPE(base) != LazyT ? 0 : is_pending(base);
+                    if (pending < 0)
+                        goto notfast;
+                    if (!pending) { /* a view of a real tensor (or of a value): made at once */
+                        Py_CLEAR(tmp);
+                        out = hand_off(mode, s_run_view, func, spec, args, kwargs, &was_handed);
+                        goto handed;
+                    }
                 }
             }
             int nh = not_host(&c, args); /* else it may be a host-scalar op: Python decides */
+            if (nh == 2) {
+                Py_CLEAR(tmp);
+                out = hand_off(mode, s_run_host_scalar, func, spec, args, kwargs, &was_handed);
+                goto handed;
+            }
             if (nh <= 0)
                 goto notfast_maybe_err;
         }
@@ -1131,6 +1167,45 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     if (c.scalar_pos == NULL)
         goto notfast;
     Py_DECREF(c.scalar_pos); /* the spec holds it */
+
+    /* Where no step can be taken, Python records the op before the key is built: a trace off
+     * the trie (after a miss), a node with no continuation and no template step. */
+    node = GET(tr, node);
+    if (node == NULL)
+        goto notfast;
+    if (node == Py_None)
+        goto notfast_clean;
+    children = GET(node, children);
+    if (children == NULL)
+        goto notfast;
+    if (!PyDict_CheckExact(children))
+        goto notfast_clean;
+    if (PyDict_GET_SIZE(children) == 0) {
+        if (TemplateT == NULL)
+            goto notfast_clean;
+        PyObject *sym = fget(node, s_sym, &f_node_sym);
+        if (sym == NULL)
+            goto notfast;
+        int step = PyTuple_CheckExact(sym); /* (tpl, i): a template step may follow */
+        Py_DECREF(sym);
+        if (!step)
+            goto notfast_clean;
+    }
+
+    /* Would _note_writes arm the read guard? Then Python records the op. */
+    writes = GET(spec, writes);
+    if (writes == NULL)
+        goto notfast;
+    if (writes != Py_None) {
+        int ew = eget_bool(eng, ed, s_ext_writes);
+        if (ew < 0)
+            goto notfast;
+        if (!ew) {
+            int arm = would_arm(&c, writes, args, kwargs == Py_None ? NO_KWARGS : kwargs);
+            if (arm != 0)
+                goto notfast_maybe_err;
+        }
+    }
 
     /* the key and margs, as Engine.record builds them (nothing changes yet) */
     key = PyTuple_New(1 + nargs + 2 * nkw);
@@ -1308,17 +1383,15 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
             goto notfast_clean; /* the dict changed size while we walked it */
     }
 
-    /* the trie step */
-    node = GET(tr, node);
-    if (node == NULL)
-        goto notfast;
-    if (node == Py_None)
-        goto notfast_clean;
-    children = GET(node, children);
-    if (children == NULL)
-        goto notfast;
-    if (!PyDict_CheckExact(children))
-        goto notfast_clean;
+    /* the trie step (tr.node read before the key: it must not have moved meanwhile) */
+    {
+        PyObject *now = GET(tr, node);
+        if (now == NULL)
+            goto notfast;
+        Py_DECREF(now);
+        if (now != node)
+            goto notfast_clean;
+    }
     child = PyDict_GetItemWithError(children, key);
     if (child != NULL) {
         Py_INCREF(child);
@@ -1337,20 +1410,6 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
             goto notfast_maybe_err;
     }
 
-    /* Would _note_writes arm the read guard? Then Python records the op. */
-    writes = GET(spec, writes);
-    if (writes == NULL)
-        goto notfast;
-    if (writes != Py_None) {
-        int ew = eget_bool(eng, ed, s_ext_writes);
-        if (ew < 0)
-            goto notfast;
-        if (!ew) {
-            int arm = would_arm(&c, writes, args, kwargs == Py_None ? NO_KWARGS : kwargs);
-            if (arm != 0)
-                goto notfast_maybe_err;
-        }
-    }
 
     /* the outputs (engine._outputs): one Meta, an int (in place), None, or a flat tuple/list
      * of those; every new lazy tensor is made here, before the trace changes */
@@ -1586,6 +1645,13 @@ raise: /* also an error that is not an Exception (KeyboardInterrupt): the user's
         busy_set = 0;
     }
     goto cleanup;
+handed: /* hand_off's answer: the op's result or its method's error; else (nothing done)
+         * the Python path */
+    if (was_handed) {
+        Py_DECREF(spec);
+        return out;
+    }
+    goto notfast;
 notfast_maybe_err:
     if (PyErr_Occurred() && note_error() < 0)
         goto raise;
@@ -1753,14 +1819,14 @@ hot_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
     Py_ssize_t direct = 0;
     for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++)
         direct += fs[i]->t != NULL && fs[i]->off >= 0;
-    return Py_BuildValue("{snsnsnsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
-                         "sym", n_sym, "ext", n_ext, "direct_fields", direct);
+    return Py_BuildValue("{snsnsnsnsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
+                         "sym", n_sym, "ext", n_ext, "handed", n_handed, "direct_fields", direct);
 }
 
 static PyObject *
 hot_reset_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
-    n_fast = n_slow = n_fault = n_sym = n_ext = 0;
+    n_fast = n_slow = n_fault = n_sym = n_ext = n_handed = 0;
     Py_RETURN_NONE;
 }
 
@@ -1779,8 +1845,10 @@ static PyMethodDef methods[] = {
      "then numbers first uses of external tensors as Trace.register does (without it, Python)."},
     {"stats", hot_stats, METH_NOARGS,
      "Ops recorded in C (fast; sym: of those, template steps; ext: first uses of external "
-     "tensors numbered in C), handed to the Python path (slow), errors met while checking "
-     "(faults: the Python path then ran the op), __slots__ fields read at their offsets."},
+     "tensors numbered in C), handed to the Python path (slow; handed: of those, views of real "
+     "tensors and host-scalar ops handed straight to the engine's method), errors met while "
+     "checking (faults: the Python path then ran the op), __slots__ fields read at their "
+     "offsets."},
     {"reset_stats", hot_reset_stats, METH_NOARGS, "Zero the counters of stats()."},
     {NULL, NULL, 0, NULL},
 };
@@ -1860,5 +1928,7 @@ PyInit__hot(void)
     INTERN(s_storage_offset, "storage_offset");
     INTERN(s_data_ptr, "data_ptr");
     INTERN(s_numel, "numel");
+    INTERN(s_run_view, "run_view");
+    INTERN(s_run_host_scalar, "run_host_scalar");
     return PyModule_Create(&module_def);
 }

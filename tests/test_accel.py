@@ -1019,3 +1019,27 @@ def test_first_uses_in_c_leak_no_references() -> None:
         n = _hot.stats()["ext"] - e0
     assert n >= 20 * 4, n  # x, weight, bias, the views of base: in C every time
     assert before == after
+
+
+def views_and_host_scalars() -> Step:
+    """Views of real tensors (run_view) and ops on real CPU scalars (run_host_scalar, as an
+    optimizer's step counter): C's early exits hand them straight to the engine's method."""
+    w = torch.randn(6, 4)
+    step_t = torch.tensor(0.0)
+    scale = torch.tensor(0.5)
+
+    def step() -> Any:
+        step_t.add_(1)  # a host-scalar op writing a real scalar
+        c = torch.mul(scale, 2.0)  # a host-scalar op making a new one
+        z = (torch.mm(w.t(), w) + w[1:5].t()) * c  # views of a real tensor, then lazy ops
+        return [z, step_t.clone(), c]
+
+    return step
+
+
+@needs_hot
+def test_views_and_host_scalar_ops_are_handed_to_the_engine_as_in_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stats, _, counters = _compare_paths(views_and_host_scalars, 5, monkeypatch)
+    assert stats["handed"] >= 4 * 5, stats  # three views and two host ops per round
+    assert counters["ops_eager"] > 0
