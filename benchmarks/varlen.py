@@ -5,6 +5,7 @@
                                 [--modes eager,engine,engine_warm,engine_on,torch_compile,engine_paired,
                                          engine_on_paired]
                                 [--steps 200] [--tokens 64] [--reps 3] [--out DIR] [--timeout S]
+                                [--cases gpt2/no_grad,gpt2/inference_mode,llama/no_grad,...]
 
 Each (workload, mode) runs in a fresh process, one torch thread. ``engine`` starts with an empty
 cache folder (its own Inductor folder inside it); ``engine_warm`` runs again on that folder
@@ -24,8 +25,12 @@ cache folder of the mode's own and wait for every compile to finish, until one c
 nothing (so every program, template and checked size is on disk); then a fresh process times
 it paired with plain eager as ``engine_paired`` does, also with stepping aside off
 (``ADAPTIVE_EAGER_STEP_ASIDE=0``), so every timed engine step runs through the engine (fused
-where a program was loaded). The row carries the priming processes' compiles and the symbolic
-programs' counters (sizes checked, trusted by their guards, refused by them, loaded from disk).
+where a program was loaded). The row carries the priming processes' compiles (``compiles``
+counts those of the compile service too: session 7's figures added ``service_compiles`` to it
+and so counted each twice), the op counts of the programs in the cache folder after each, and
+the symbolic programs' counters (sizes checked, trusted by their guards, refused by them,
+loaded from disk). ``--cases`` runs a subset of the generate cases (one at a time keeps the
+load down).
 
 Every engine row says whether the engine stepped aside: ``aside`` counts the timed steps (or
 generations) that reached no engine at all (plain eager), e.g. ``3/3``, and says why from the
@@ -309,18 +314,26 @@ def _generate(model: Any, prompt: Any, tokens: int) -> tuple[float, float, list[
     return time.perf_counter() - t0, time.thread_time() - c0, ids
 
 
-def run_generate(mode: str, tokens: int, reps: int = 3) -> dict[str, Any]:
+CASES = "gpt2/no_grad,gpt2/inference_mode,llama/no_grad,llama/inference_mode"
+
+
+def run_generate(mode: str, tokens: int, reps: int = 3, cases: str = CASES) -> dict[str, Any]:
     import torch
 
     engine = mode.startswith("engine")
     out: dict[str, Any] = {}
+    wanted = set(cases.split(","))
     for arch, build in (("gpt2", _gpt2), ("llama", _llama)):
+        if not any(c.startswith(arch + "/") for c in wanted):
+            continue
         model = build()
         if mode == "torch_compile":
             model.forward = torch.compile(model.forward)
         prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(7))
         for grad_ctx_name, grad_ctx in (("no_grad", torch.no_grad),
                                         ("inference_mode", torch.inference_mode)):
+            if f"{arch}/{grad_ctx_name}" not in wanted:
+                continue
             if mode in ("engine_paired", "engine_on_paired"):
                 out[f"{arch}/{grad_ctx_name}"] = _generate_paired(model, prompt, tokens, reps,
                                                                   grad_ctx)
@@ -406,17 +419,38 @@ def _child(args: argparse.Namespace) -> None:
     if args.workload == "train":
         result = run_train(mode, args.steps)
     else:
-        result = run_generate(mode, args.tokens, args.reps)
+        result = run_generate(mode, args.tokens, args.reps, args.cases)
     if args.mode == "engine_prime":  # every compile it started ends on disk before it exits
         import adaptive_eager
 
         t0 = time.perf_counter()
         adaptive_eager.wait_for_compiles(args.timeout)
         m = adaptive_eager.metrics()
-        result = {"compiles": m["compiles"] + m["service_compiles"],
+        # compiles counts the compile service's too (service_compiles is the part of it there)
+        result = {"compiles": m["compiles"], "service_compiles": m["service_compiles"],
                   "compile_errors": m["compile_errors"], "waited_s": round(
-                      time.perf_counter() - t0, 1)}
+                      time.perf_counter() - t0, 1), "programs": _programs()}
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _programs() -> list[Any]:
+    """Op counts of the programs in this process's cache folder (headers only, as
+    ``adaptive-eager cache ls``): which traces the priming compiled."""
+    from adaptive_eager.cache.disk import DiskCache
+
+    disk = DiskCache.open(Path(os.environ["ADAPTIVE_EAGER_CACHE_DIR"]), 1 << 40)
+    if disk is None:
+        return []
+    out = []
+    try:
+        for key in disk.keys():
+            if key.startswith("program:"):
+                value = disk.program_info(key) or {}
+                info = value.get("info") if isinstance(value.get("info"), dict) else {}
+                out.append(info.get("n_ops", "?"))
+    finally:
+        disk.close()
+    return sorted(out, key=str)
 
 
 def _prime(workload: str, args: argparse.Namespace, cache: Path) -> list[dict[str, Any]]:
@@ -447,7 +481,7 @@ def _run_case(workload: str, mode: str, args: argparse.Namespace, cache: Path) -
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / f"inductor-{workload}")
     cmd = [sys.executable, "-m", "benchmarks.varlen", "--child", "--workload", workload,
            "--mode", mode, "--steps", str(args.steps), "--tokens", str(args.tokens),
-           "--reps", str(args.reps)]
+           "--reps", str(args.reps), "--cases", args.cases]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -587,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="timed generations per case")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--cases", default=CASES,
+                   help="generate: which of the four cases (comma-separated arch/grad mode)")
     p.add_argument("--primes", type=int, default=3,
                    help="engine_on_paired: priming processes at most (until one compiles nothing)")
     p.add_argument("--out", default=None, help="folder for results.json and table.md")
