@@ -61,6 +61,9 @@ static PyObject *TemplateT, *SymTraceT; /* shapes.Template, shapes.SymTrace (NUL
 /* init_register's: lazy._METAS, torch.strided, TensorBase.untyped_storage,
  * torch._C._is_torch_function_mode_enabled (METAS NULL: first uses left to Python) */
 static PyObject *METAS, *STRIDED, *storage_fn, *tf_mode_on;
+/* init_dropouts': {OpSpec: position of dropout_p} of the attention ops deferred without dropout
+ * (mode._DROPOUT_AT less the no-op dropouts), opspec.RANDOM (NULL: left to Python) */
+static PyObject *DROPOUTS, *RANDOM_P;
 static int ready = 0;
 /* Attributes of the engine's __slots__ classes (Trace, TrieNode, OpSpec, Meta, Metrics) are read
  * and written at their member offsets when the object's type is exactly the class seen at init
@@ -131,7 +134,8 @@ static PyObject *s_ae_spec, *s_policy, *s_view_arg, *s_engine, *s_trace, *s_busy
     *s_steps, *s_nodes, *s_memo, *s_sym_ops;
 static PyObject *s_x, *s_ext, *s_groups, *s_shared, *s_mid, *s_size, *s_stride, *s_dtype,
     *s_device, *s_layout, *s_is_quantized, *s_is_nested, *s_type, *s_is_conj, *s_is_neg,
-    *s_shape, *s_storage_offset, *s_data_ptr, *s_numel, *s_run_view, *s_run_host_scalar;
+    *s_shape, *s_storage_offset, *s_data_ptr, *s_numel, *s_run_view, *s_run_host_scalar,
+    *s_dropout_p, *s_p;
 
 #define MAX_NEW_EXT 64 /* first uses of externals numbered in C per op */
 /* A first use noted while checking (Trace.register's changes, made at commit). */
@@ -1047,20 +1051,60 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
     spec = PyObject_GetAttr(func, s_ae_spec);
     if (spec == NULL)
         goto notfast;
-    if (spec == TO_COPY)
-        goto notfast_clean;
+    if (spec == TO_COPY) { /* mode._copies_to_other_device: a device move is a read (Python) */
+        PyObject *dev = kwargs == Py_None ? NULL : PyDict_GetItemWithError(kwargs, s_device);
+        if (dev == NULL && PyErr_Occurred())
+            goto notfast;
+        if (dev != NULL && dev != Py_None)
+            goto notfast_clean;
+    }
     tmp = GET(spec, policy);
     if (tmp == NULL)
         goto notfast;
+    int dropout_free = 0; /* a RANDOM attention op that draws nothing: deferred as it is */
     if (tmp != DEFER) { /* policies are small ints: the same object as opspec.DEFER */
+        int random = tmp == RANDOM_P && DROPOUTS != NULL;
         Py_CLEAR(tmp);
-        goto notfast_clean;
+        if (!random)
+            goto notfast_clean;
+        /* Note [attention without dropout] in mode.py: _no_dropout(at, args, kwargs), for the
+         * ops deferred then (not the dropouts returning their input: at 1) */
+        PyObject *at = PyDict_GetItemWithError(DROPOUTS, spec);
+        if (at == NULL)
+            goto notfast_maybe_err;
+        Py_ssize_t ai = PyLong_AsSsize_t(at);
+        if (ai == -1 && PyErr_Occurred())
+            goto notfast;
+        if (ai <= 1)
+            goto notfast_clean;
+        PyObject *pr = NULL;
+        if (nargs > ai)
+            pr = PyTuple_GET_ITEM(args, ai);
+        else if (kwargs != Py_None) {
+            if ((pr = PyDict_GetItemWithError(kwargs, s_dropout_p)) == NULL && !PyErr_Occurred())
+                pr = PyDict_GetItemWithError(kwargs, s_p);
+            if (pr == NULL && PyErr_Occurred())
+                goto notfast;
+        }
+        if (pr != NULL) { /* else 0.0 */
+            if (!PyFloat_CheckExact(pr) && !PyLong_CheckExact(pr))
+                goto notfast_clean; /* bool, a subclass, not a number: Python decides */
+            int zero = PyObject_RichCompareBool(pr, ZERO, Py_EQ);
+            if (zero <= 0)
+                goto notfast_maybe_err; /* it draws: run_random */
+        }
+        /* the Python handler's foreign check comes first for these ops; no other early exit */
+        if (!PyTuple_CheckExact(types))
+            goto notfast_clean;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(types); j++)
+            if (PyTuple_GET_ITEM(types, j) != LazyT)
+                goto notfast_clean;
+        dropout_free = 1;
     }
-    Py_CLEAR(tmp);
-    tmp = GET(spec, view_arg);
-    if (tmp == NULL)
-        goto notfast;
-    {
+    if (!dropout_free) {
+        tmp = GET(spec, view_arg);
+        if (tmp == NULL)
+            goto notfast;
         /* DeferMode.__torch_dispatch__'s early exits apply unless the first argument is a
          * pending lazy tensor and the op is no view of another argument */
         int va = PyObject_IsTrue(tmp);
@@ -1810,6 +1854,22 @@ hot_init_register(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* init_dropouts(dropouts, RANDOM): the attention ops mode.py defers when they draw nothing
+ * ({OpSpec: position of dropout_p}, positions above 1) and opspec.RANDOM. */
+static PyObject *
+hot_init_dropouts(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
+{
+    if (n != 2 || !PyDict_CheckExact(av[0])) {
+        PyErr_SetString(PyExc_TypeError, "init_dropouts(dropouts: dict, RANDOM)");
+        return NULL;
+    }
+    Py_INCREF(av[0]);
+    Py_XSETREF(DROPOUTS, av[0]);
+    Py_INCREF(av[1]);
+    Py_XSETREF(RANDOM_P, av[1]);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 hot_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
@@ -1843,6 +1903,10 @@ static PyMethodDef methods[] = {
      "init_register(METAS, strided, untyped_storage, tf_mode_enabled): lazy._METAS, "
      "torch.strided, TensorBase.untyped_storage, torch._C._is_torch_function_mode_enabled; C "
      "then numbers first uses of external tensors as Trace.register does (without it, Python)."},
+    {"init_dropouts", (PyCFunction)(void (*)(void))hot_init_dropouts, METH_FASTCALL,
+     "init_dropouts(dropouts, RANDOM): {OpSpec: position of dropout_p} of the attention ops "
+     "deferred when they draw nothing (Note [attention without dropout]), and opspec.RANDOM; "
+     "C then records them (without it, Python)."},
     {"stats", hot_stats, METH_NOARGS,
      "Ops recorded in C (fast; sym: of those, template steps; ext: first uses of external "
      "tensors numbered in C), handed to the Python path (slow; handed: of those, views of real "
@@ -1930,5 +1994,7 @@ PyInit__hot(void)
     INTERN(s_numel, "numel");
     INTERN(s_run_view, "run_view");
     INTERN(s_run_host_scalar, "run_host_scalar");
+    INTERN(s_dropout_p, "dropout_p");
+    INTERN(s_p, "p");
     return PyModule_Create(&module_def);
 }

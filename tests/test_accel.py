@@ -1043,3 +1043,32 @@ def test_views_and_host_scalar_ops_are_handed_to_the_engine_as_in_python(
     stats, _, counters = _compare_paths(views_and_host_scalars, 5, monkeypatch)
     assert stats["handed"] >= 4 * 5, stats  # three views and two host ops per round
     assert counters["ops_eager"] > 0
+
+
+def attention_and_copies() -> Step:
+    """Attention without dropout (a RANDOM op deferred as it draws nothing, Note [attention
+    without dropout]), with dropout (it draws: at once), and _to_copy to another dtype (an op
+    like any) or onto its own device (Python compares the devices)."""
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    f = torch.nn.functional
+
+    def step() -> Any:
+        with torch.no_grad():
+            a = f.scaled_dot_product_attention(q * 1.0, k, v)
+            b = f.scaled_dot_product_attention(q, k * 0.5, v, is_causal=True, dropout_p=0.0)
+            c = f.scaled_dot_product_attention(q, k, v, dropout_p=0.3)  # draws: at once
+            d = (a + b).to(torch.float64).to("cpu") * 2
+            return [a, b, c, d.to(torch.float32)]
+
+    return step
+
+
+@needs_hot
+def test_attention_without_dropout_and_dtype_copies_record_in_c(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stats, traces, _ = _compare_paths(attention_and_copies, 5, monkeypatch)
+    names = [op for op, *_ in traces[-1]["ops"]]
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in names, names
+    assert "aten._to_copy.default" in names, names
+    # the last round: everything but the dropout's random op and its views in C
+    assert stats["fast"] >= 4 * 6, stats

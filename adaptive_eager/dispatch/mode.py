@@ -165,6 +165,9 @@ if _hot is not None:
 
         _hot.init_register(_METAS, torch.strided, _storage,
                            torch._C._is_torch_function_mode_enabled)
+        # and attention without dropout (Note [attention without dropout])
+        _hot.init_dropouts({s: at for s, at in _DROPOUT_AT.items() if s not in _NOOP_DROPOUTS},
+                           RANDOM)
     except Exception as err:  # an extension built from other sources: the Python path runs
         import logging
 
