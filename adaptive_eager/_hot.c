@@ -6,16 +6,23 @@
  * module does the common case of that work in C: ``dispatch`` is installed as the mode's
  * ``__torch_dispatch__`` (a bound method on the DeferMode instance, so torch calls C with no
  * Python frame; ADAPTIVE_EAGER_ACCEL=0 leaves the Python method), and records the op itself when
- *   - the op's OpSpec (``func._ae_spec``) has the DEFER policy, is not ``_to_copy`` and has no
- *     boolean-mask index;
+ *   - the op's OpSpec (``func._ae_spec``) has the DEFER policy (``_to_copy`` only without a
+ *     ``device`` keyword: mode._copies_to_other_device is false) and no boolean-mask index, or
+ *     it is an attention op deferred because it draws nothing (RANDOM policy, ``dropout_p`` 0,
+ *     Note [attention without dropout] in mode.py: then only the foreign check applies);
  *   - none of the mode's early exits can apply: the first argument is a pending lazy tensor and
  *     the op is no view of another argument, or else ``types`` holds only LazyTensor (no
- *     foreign subclass), a view's base is a pending lazy tensor (no run_view) and a lazy
- *     tensor, or no tensor at all (arange, full), is among the arguments (no host-scalar op);
+ *     foreign subclass), a view's base is a pending lazy tensor and the op is surely no
+ *     host-scalar op (a lazy tensor among the arguments, no tensor at all (arange, full), or a
+ *     real Tensor/Parameter with more than one element or off the CPU: ``embedding(weight,
+ *     ids)``). Where C's checks already know the exit (a view of a real tensor, an op on real
+ *     CPU scalars) it takes it itself: ``M.ops_intercepted``, then ``eng.run_view`` /
+ *     ``eng.run_host_scalar``, what the Python handler does after the same checks
+ *     (``stats()["handed"]``);
  *   - every tensor argument (positional, in a list, or a keyword) is a pending lazy tensor of
- *     this trace or a tensor already numbered in ``tr.ext_ids`` (plain Tensor/Parameter, or a
- *     lazy tensor holding its value); the other arguments are numbers, lists/tuples of those,
- *     or objects keyed as themselves (None, dtypes, devices, ...);
+ *     this trace, a tensor already numbered in ``tr.ext_ids``, or a first use C can number
+ *     (Note [first uses in C]); the other arguments are numbers, lists/tuples of those, or
+ *     objects keyed as themselves (None, dtypes, devices, ...);
  *   - the trie has a child for the key, or the trace runs on a fitted template (Note
  *     [symbolic dims] in shapes.py) and this is a memoised step of it: ``tr.node.sym`` is
  *     ``(tpl, i)``, ``tr.sym.tpl is tpl``, tpl is not dead, ``i < len(tpl.steps)`` and
@@ -28,23 +35,44 @@
  *     below its cap, its slot has a shared marker, and no other thread is running the trace.
  * Anything else (and any error while checking) calls the Python ``__torch_dispatch__``, which
  * runs unchanged, so behaviour outside the fast case is the Python path's by construction.
- * Inside it, the key, ``margs``, scalars, ``tr.last``, the trie step, the output wrapper (the
- * same ``_make_wrapper_subclass`` call and attributes), its weak reference, the ``tr.ops``
- * entry and the counters are exactly the Python path's (tests/test_accel.py compares traces).
- * Every check runs before the first change to the trace: a fast-case op that fails a check has
- * changed nothing and goes to Python whole. Errors raised while checking are counted
- * (``stats()["faults"]``) and the Python path then runs the op as it always would.
- * Attributes of the engine's __slots__ classes are read at their member offsets (checked by
- * exact type), the engine's in its instance dict: what generic attribute access does, cheaper.
- * Left to Python: the first use of an external tensor in a trace (Trace.register reads its
- * metadata and storage), views of real tensors, host-scalar, random and grad-mode ops, nested
- * outputs, trie misses, the op that arms the read guard, the cap flush; of templates, the
- * anchor step (``node.sym`` a list: it binds s, and its key holds an external's first use in
- * the programs measured, so C could not take it anyway), the first run at each s (the memo
- * is empty: the key is matched against the step's pattern), another key at a step (another
- * template may go on, or the trace leaves the template), a dead template. Share of a
- * config-built GPT-2 generate() (32 tokens, engine kept on, repeated) recorded in C: 12% with
- * trie hits only, 70% with template steps; most of the rest are first uses of externals.
+ * Inside it, the key, ``margs``, scalars, ``tr.last``, the numbering of first uses, the trie
+ * step, the output wrapper (the same ``_make_wrapper_subclass`` call and attributes), its weak
+ * reference, the ``tr.ops`` entry and the counters are exactly the Python path's
+ * (tests/test_accel.py compares traces). Every check runs before the first change to the
+ * trace: a fast-case op that fails a check has changed nothing and goes to Python whole.
+ * Where no step can follow (a trace off the trie, a node with no continuation and no template
+ * step) that is known before the key is built, and the op goes to Python at once. Errors
+ * raised while checking are counted (``stats()["faults"]``) and the Python path then runs the
+ * op as it always would. Attributes of the engine's __slots__ classes are read at their member
+ * offsets (checked by exact type), the engine's in its instance dict: what generic attribute
+ * access does, cheaper.
+ * Left to Python: views of real tensors and host-scalar ops (run by the engine's own methods,
+ * handed over as above), other random ops, grad-mode, sync and out= ops, device copies, nested
+ * outputs, trie misses, the op that arms the read guard, the cap flush, first uses C does not
+ * number; of templates, the anchor step (``node.sym`` a list: it binds s), the first run at
+ * each s (the memo is empty: the key is matched against the step's pattern), another key at a
+ * step (another template may go on, or the trace leaves the template), a dead template. Share
+ * of a config-built GPT-2 generate() (32 tokens, engine kept on, repeated) recorded in C: 12%
+ * with trie hits only, 70% with template steps, 89.5% with first uses in C (the rest: views of
+ * real tensors, host-scalar ops, ``.item()``, template anchors).
+ *
+ * Note [first uses in C]
+ * Trace.register numbers a tensor from outside the trace at its first use: key part ('x',
+ * mid, group), ``ext``/``ext_ids``/``groups`` updates, ``owner.shared`` for another engine's
+ * lazy tensor. C does its common case (``reg``): an exact Tensor/Parameter whose layout is
+ * strided, not quantized, not nested, not on meta, with neither the conj nor the neg bit (a
+ * conj/neg view goes to Python), or a LazyTensor holding its value (its ``_ae_meta``, storage
+ * of its ``_ae_real``). It reads what Trace.register reads, with Python-level getters; Python
+ * reads them with torch-function modes off, so C numbers nothing while a mode is on the stack
+ * during dispatch (``torch._C._is_torch_function_mode_enabled``: the read guard, a user's
+ * mode). Metas: C looks the keys up in intern_meta's own dict (``lazy._METAS``); meta_of(t)
+ * interns the metadata with its storage offset and register the offset-0 one, and both must be
+ * interned already, else Python numbers it: C never interns, so mids keep the Python path's
+ * order (a fresh-process test compares them). No cache: a tensor's metadata can change in
+ * place (``.data =``, set_, resize_), so it is read at every first use (about 14k
+ * instructions, most in torch's getters). The numbering is noted while checking (a tensor used
+ * twice in the op, or two views of one storage, see the notes made before them) and made at
+ * commit, in order.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -75,7 +75,10 @@ class Trace:
         self.sym: Any = None  # shapes.SymTrace: what learnt formulas gave (Note [symbolic dims])
 
     def register(self, t: torch.Tensor) -> tuple:
-        """Number a tensor from outside the trace; return its key part ('x', meta id, group)."""
+        """Number a tensor from outside the trace; return its key part ('x', meta id, group).
+
+        The C accelerator numbers the common case itself (Note [first uses in C] in _hot.c): a
+        change here must be made there too (tests/test_accel.py compares the two)."""
         with _DisableFunction():
             if type(t) is LazyTensor:
                 meta = t._ae_meta
