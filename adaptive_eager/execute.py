@@ -209,5 +209,7 @@ def poison(trace: Trace, err: BaseException) -> None:
     """After a failed run, every live lazy tensor without a value raises ``err`` when read."""
     for ref in trace.refs:
         w = ref()
-        if w is not None and w._ae_real is None:
+        # a publish that failed half-way (a MetadataMismatch under check) may have made some
+        # of them plain tensors already (Note [lazy tensors become real])
+        if type(w) is LazyTensor and w._ae_real is None:
             w._ae_error = err

@@ -254,3 +254,24 @@ def test_swap_tensors_of_pending_tensors() -> None:
 
     expected, got = _repeated(fn)
     assert_equal_tree(expected, got)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_value_dependent_composites_follow_the_values(mode: str) -> None:
+    # Under inference mode these composite ops reach the engine whole: their sizes (narrow's
+    # view offset) were learnt once and served for other values (opspec._DATA_SHAPED)
+    grad_mode = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+
+    def fn(i: int) -> Any:
+        a = torch.arange(12.0) * 1
+        return (a.narrow(0, torch.tensor(i), 3), torch.tensor_split(a, torch.tensor([i, i + 2])),
+                torch.where(a > i), a.repeat_interleave(torch.arange(12) % (i + 1)))
+
+    values = (1, 2, 5, 0)
+    expected = [to_plain(fn(i)) for i in values]
+    with ae.adaptive_eager(backend="replay", check=True):
+        got = []
+        for i in values:
+            with grad_mode():
+                got.append(to_plain(fn(i)))
+    assert_equal_tree(expected, got)

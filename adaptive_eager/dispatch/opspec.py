@@ -68,9 +68,17 @@ _UNSAFE_VIEWS = frozenset({_aten.unsafe_split.Tensor, _aten.unsafe_split_with_si
 # (FakeTensor has its own rules for them): learning their metadata from one run was wrong for
 # the next lengths (``pack_padded_sequence`` of lengths [5, 3, 2] then [5, 5, 5]), and their
 # outputs are read by C++ code that follows (packed RNN layers read ``batch_sizes``' data).
+# Under inference mode composite ops reach the engine whole: ``torch.where(cond)``,
+# ``repeat_interleave(repeats_tensor)``, ``tensor_split(indices_tensor)`` and ``narrow(start_tensor)``
+# then came with the sizes (or view offset) learnt from the first values. Found by running every
+# OpInfo sample under inference mode and listing the composite ops that reach a dispatch mode
+# whole while their decomposition runs a data-dependent op; the others it lists have sizes that
+# follow sizes (combinations, cov, corrcoef, ctc_loss) or return a Python value (is_nonzero).
 _DATA_SHAPED = frozenset({_aten._pack_padded_sequence.default, _aten._pad_packed_sequence.default,
                           _aten._padded_dense_to_jagged_forward.default,
-                          _aten.nonzero_numpy.default})
+                          _aten.nonzero_numpy.default, _aten.where.default,
+                          _aten.repeat_interleave.self_Tensor, _aten.narrow.Tensor,
+                          _aten.tensor_split.tensor_indices_or_sections})
 # Ops that return non-tensors but read only metadata, or that only tag a fresh tensor.
 _PASSTHROUGH_OPS = {
     _aten.lift_fresh.default, _aten.is_same_size.default,
