@@ -275,3 +275,19 @@ def test_value_dependent_composites_follow_the_values(mode: str) -> None:
             with grad_mode():
                 got.append(to_plain(fn(i)))
     assert_equal_tree(expected, got)
+
+
+def test_forward_ad_under_inference_mode() -> None:
+    # opspec._FORWARD_AD: dual-number ops deferred under inference mode replayed outside it
+    import torch.autograd.forward_ad as fwAD
+
+    def fn() -> Any:
+        with torch.inference_mode():
+            x = torch.randn(3)
+            with fwAD.dual_level():
+                d = fwAD.make_dual(x, torch.ones(3))
+                primal, tangent = fwAD.unpack_dual((d.sin() * d).sum())
+            return primal, tangent
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)

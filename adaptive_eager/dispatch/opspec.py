@@ -79,6 +79,12 @@ _DATA_SHAPED = frozenset({_aten._pack_padded_sequence.default, _aten._pad_packed
                           _aten.nonzero_numpy.default, _aten.where.default,
                           _aten.repeat_interleave.self_Tensor, _aten.narrow.Tensor,
                           _aten.tensor_split.tensor_indices_or_sections})
+# Forward-mode AD's dual-number ops reach a dispatch mode only under inference mode (their
+# kernels there assert inference mode and read the thread's dual levels): deferred, they
+# replayed at a flush outside inference mode and raised an internal assert.
+_FORWARD_AD = frozenset({_aten._make_dual.default, _aten._unpack_dual.default,
+                         _aten._fw_primal.default, _aten._make_dual_copy.default,
+                         _aten._fw_primal_copy.default})
 # Ops that return non-tensors but read only metadata, or that only tag a fresh tensor.
 _PASSTHROUGH_OPS = {
     _aten.lift_fresh.default, _aten.is_same_size.default,
@@ -208,6 +214,8 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         return SYNC, "result depends on tensor values"
     if op in _DATA_SHAPED:
         return SYNC, "output shape depends on tensor values (untagged)"
+    if op in _FORWARD_AD:
+        return FALLBACK, "forward-mode AD (its kernel reads the dual-level state)"
     if torch.Tag.dynamic_output_shape in tags and op not in (_aten.index.Tensor,
                                                                 _aten._unsafe_index.Tensor):
         return SYNC, "output shape depends on tensor values"
