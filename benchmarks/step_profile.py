@@ -118,8 +118,8 @@ def paired(args: argparse.Namespace, cache: str) -> int:
     its own decisions (default backend, compiles waited for, stepping aside off, so the engine
     itself is measured); and op-by-op replay (backend="replay"). After warming each, rounds of
     one step per mode, the order rotated every round (``--compile`` adds torch.compile of the
-    whole step); process CPU time per step (one torch
-    thread: kernels run in this thread) and wall clock. Prints the medians, the ratios to eager
+    whole step, ``--program`` the engine's largest program called on its own); process CPU time
+    per step (one torch thread: kernels run in this thread) and wall clock. Prints the medians, the ratios to eager
     and what the engine decided for its traces."""
     import resource
 
@@ -157,6 +157,9 @@ def paired(args: argparse.Namespace, cache: str) -> int:
                 m["kept_fused"] + m["kept_replay"] == 0):
             break
     under(replay, 3)
+    program = _largest_program() if args.program else None
+    if program is not None:
+        modes["program"] = program
     settle_s = time.perf_counter() - t0
     cpu: dict[str, list[float]] = {k: [] for k in modes}
     wall: dict[str, list[float]] = {k: [] for k in modes}
@@ -193,6 +196,30 @@ def paired(args: argparse.Namespace, cache: str) -> int:
     return 0
 
 
+def _largest_program() -> Any:
+    """The engine's largest program as a step of its own: called on copies of the inputs it was
+    built with, as fused.run_fused calls it (its inputs' construction and the engine's
+    recording left out), so its time is the program's and compares with torch.compile's."""
+    from adaptive_eager.backends.inductor import _detached
+    from adaptive_eager.cache.memory import TRIE
+    from adaptive_eager.execute import ReplayGuard
+
+    entries = [e for e in TRIE.entry_list if e.program is not None and e.graph is not None]
+    if not entries:
+        print("no program to time on its own (the engine kept none)")
+        return None
+    entry = max(entries, key=lambda e: e.n_ops)
+    inputs = [t.clone() if isinstance(t, torch.Tensor) else t
+              for t in _detached(entry.graph.example_inputs)]
+    print(f"'program': trace {entry.digest[:12]} ({entry.n_ops} ops) on its own")
+
+    def run() -> None:
+        with ReplayGuard():
+            entry.program(*inputs)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="gpt2_train")
@@ -210,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         "interleaved in one process (see paired)")
     p.add_argument("--compile", action="store_true",
                    help="--paired: also torch.compile of the whole step, in the same rounds")
+    p.add_argument("--program", action="store_true",
+                   help="--paired: also the engine's largest program called on its own")
     p.add_argument("--max-seconds", type=float, default=900.0,
                    help="--aside-check: longest engine phase (compiles, measuring, the trial)")
     args = p.parse_args(argv)

@@ -10,6 +10,7 @@ tolerance.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -276,3 +277,35 @@ def test_adamw_foreach_inductor_program_has_no_aten_scalar_lists(cache_dir: Path
         assert _scalar_list_ops(g.gm) == [], g.gm.code
         targets = {str(n.target) for n in g.gm.graph.nodes}
         assert "aten._foreach_div_.List" in targets and "aten._foreach_addcdiv_.Scalar" in targets
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a helper's default is one thread too")
+def test_helper_compiles_for_the_programs_thread_count(cache_dir: Path) -> None:
+    """Note [compile threads] (backends/inductor.py): a program running one torch thread gets
+    kernels compiled for one thread (serial loops, as torch.compile would make them here), not
+    for the helper process's default of every core (``#pragma omp parallel``)."""
+    import time
+
+    old = torch.get_num_threads()
+    start = time.time() - 1
+    torch.set_num_threads(1)
+    x = torch.randn(512, 1024)
+    try:
+        with ae.adaptive_eager(hot_after=2, step_aside=False, cache_dir=cache_dir):
+            for i in range(6):
+                y = (x * 3.0 + 1.0).relu().sum(0)
+                ae.sync()
+                if i == 3:
+                    ae.wait_for_compiles(timeout=600)
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(old)
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 1 and m["compile_errors"] == 0, m
+    torch.testing.assert_close(y, (x * 3.0 + 1.0).relu().sum(0), rtol=RTOL, atol=ATOL)
+    folders = {cache_dir / "inductor", Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "."))}
+    kernels = [p.read_text() for d in folders if d.is_dir() for p in d.rglob("*.cpp")
+               if p.stat().st_mtime >= start]
+    assert kernels, folders
+    assert not any("omp parallel" in k for k in kernels), kernels[0][:2000]
