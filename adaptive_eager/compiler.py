@@ -197,9 +197,10 @@ def progress(label: str, stream: Any = None) -> Iterator[None]:
 
 
 def _run_time(entry: TraceEntry) -> float:
-    """A trace's time per run, op by op where measured (Note [rare traces]); 0.0: unknown."""
+    """A trace's time per run (Note [rare traces]): the best of its recent op-by-op runs (a
+    cold first replay took 2-3x a warm one), else of its fused runs; 0.0: unknown."""
     xs = list(entry.replay_s) or list(entry.fused_s)
-    return _median(xs) if xs else 0.0
+    return min(xs) if xs else 0.0
 
 
 def _median(xs: list[float]) -> float:
@@ -1037,10 +1038,14 @@ class CompileManager:
         the logits processor run once per call, against 31-63 runs of the decode trace. Each
         became hot after 3 calls and compiled (10-30 s of a core each): a first process of the
         varlen benchmark's four generate cases compiled 15 programs, 4 of them used. So over
-        the last RARE_WINDOW flushes each trace's time is counted (runs there x its median
-        op-by-op time, or fused time if it never ran op by op): where another trace took q >=
-        RARE_RATIO times this trace's, it is hot only after hot_after x q runs (the prefill of
-        a 32-token generation after some 100 calls). Time, not op counts: a foreach optimizer
+        the last RARE_WINDOW flushes, from this trace's first run there on, each trace's time
+        is counted (runs x its best recent op-by-op time, or fused time if it never ran op by op):
+        where another trace that ran at least twice as often took q >= RARE_RATIO times this
+        trace's, it is hot only after hot_after x q runs (the prefill of a 32-token
+        generation after some 100 calls). Counting from the trace's own first run keeps a
+        phase change (a loop after a warm-up) from making the new loop's trace rare beside
+        the old one, and the run-count condition keeps one slow cold run of a trace seen once
+        from outweighing a trace that repeats. Time, not op counts: a foreach optimizer
         trace of 15 ops can weigh as much as an 800-op forward and backward (op counts made it
         rare at q ~ 50). A loop split into several traces of similar weight (a step cut by
         ``.item()`` calls) is not affected; neither is a trace an earlier process found hot
@@ -1053,14 +1058,20 @@ class CompileManager:
         seen = self._rare_seen.get(entry.digest)
         if seen is not None and self.flushes - seen[0] < RARE_RECHECK:
             return seen[1]
-        counts = collections.Counter(list(self._recent))  # list(): one C-level copy
+        recent = list(self._recent)  # one C-level copy (other threads append)
+        try:
+            first = recent.index(entry)
+        except ValueError:
+            first = len(recent)
+        counts = collections.Counter(recent[first:])  # since this trace first ran in the window
+        mine = max(counts.get(entry, 0), 1)
         own = _run_time(entry)
-        q = 0
-        if own:
-            mine = max(counts.get(entry, 0), 1) * own
-            top = max((c * t for e, c in counts.items() if e is not entry
-                       for t in (_run_time(e),) if t), default=0.0)
-            q = int(top / mine)
+        top = 0.0
+        for e, c in counts.items():
+            if e is not entry and c >= 2 * mine:  # only a trace that ran more often outweighs
+                t = _run_time(e)
+                top = max(top, c * t)
+        q = int(top / (mine * own)) if own else 0
         need = hot_after * q if q >= RARE_RATIO else hot_after
         if len(self._rare_seen) > 4096:
             self._rare_seen.clear()

@@ -123,9 +123,9 @@ def test_split_step_traces_all_compile(graph_backend: object) -> None:
 
 
 def test_rare_trace_compiles_later_not_never(graph_backend: object) -> None:
-    """Trace A runs 30 times per round, trace B (as many ops, about as long) once: B is rare (it
-    takes about 1/30 of A's time; the rule's ratio is 10) and compiles only at its run
-    hot_after * q, long after its third run, but it does compile."""
+    """Trace A runs 50 times per round, trace B (as many ops, about as long) once: B is rare (it
+    takes about 1/50 of A's time, 1/20 while its own first runs are cold; the rule's ratio is
+    10) and compiles only at its run hot_after * q, long after its third run, but it does."""
     g = torch.Generator().manual_seed(0)
     wa, wb = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     x = torch.randn(2, 8, generator=g)
@@ -137,11 +137,11 @@ def test_rare_trace_compiles_later_not_never(graph_backend: object) -> None:
     with ae.adaptive_eager(backend=graph_backend.name,  # type: ignore[attr-defined]
                            compile_async=False, step_aside=False, hot_after=3):
         for _ in range(400):
-            vals = [step(wa) for _ in range(30)] + [step(wb)]
+            vals = [step(wa) for _ in range(50)] + [step(wb)]
             compiles.append(ae.metrics()["compiles"])
             if compiles[-1] == 2:
                 break
-    assert vals == [step(wa)] * 30 + [step(wb)]
+    assert vals == [step(wa)] * 50 + [step(wb)]
     assert compiles[0] == 1  # A, at its third run
     assert compiles[11] == 1  # B has run about 10 times: still op by op
     assert compiles[-1] == 2  # and then it compiled (B's run hot_after * q)
