@@ -1037,9 +1037,9 @@ class CompileManager:
         it is not the symbolic decode trace), its attention-mask set-up and a 2-op check in
         the logits processor run once per call, against 31-63 runs of the decode trace. Each
         became hot after 3 calls and compiled (10-30 s of a core each): a first process of the
-        varlen benchmark's four generate cases compiled 15 programs, 4 of them used. So over
+        varlen benchmark's four generate cases compiled 15 programs, 4 of them per token. So over
         the last RARE_WINDOW flushes, from this trace's first run there on, each trace's time
-        is counted (runs x its best recent op-by-op time, or fused time if it never ran op by op):
+        is counted (runs x its best recent op-by-op time, or fused time if never op by op):
         where another trace that ran at least twice as often took q >= RARE_RATIO times this
         trace's, it is hot only after hot_after x q runs (the prefill of a 32-token
         generation after some 100 calls). Counting from the trace's own first run keeps a
