@@ -158,6 +158,13 @@ def _call_functional(g: fx.Graph, functional: Any, mutated: list[int], cargs: tu
 # traces that return such a view, write through one, or take one as input stay op by op.
 _BIT_VIEWS = {aten._conj.default: aten.conj_physical.default,
               aten._neg_view.default: aten.neg.default}
+# Note [unsafe views] (dispatch/opspec.py): their outputs alias the input, but the schemas say
+# no alias, so functionalization treated them as new tensors and a write through one never
+# reached the base: ``a.unsafe_split(2)[0].add_(1)`` then ``a * 2`` was wrong in every fused
+# program. The graph takes the safe ops, which compute the same views and say so.
+_UNSAFE_VIEW_OPS = {aten.unsafe_split.Tensor: aten.split.Tensor,
+                    aten.unsafe_split_with_sizes.default: aten.split_with_sizes.default,
+                    aten.unsafe_chunk.default: aten.chunk.default}
 
 
 def _bit_view_slots(trace: Trace, live: list[int]) -> set[int]:
@@ -441,6 +448,7 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
             if listed is not None:
                 op, cargs = listed
         op = _BIT_VIEWS.get(op, op)
+        op = _UNSAFE_VIEW_OPS.get(op, op)
         variant = _functional_variant(op)
         if variant is not None:
             node = _call_functional(g, variant[0], variant[1], cargs, ckw)
