@@ -102,8 +102,8 @@ SYM_GUARD_MEMO = 4096  # sizes whose guard verdict is remembered per program
 PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
 PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
-RARE_WINDOW = 512  # recent flushes a trace's share of the time is counted over (Note [rare traces])
-RARE_RATIO = 10  # another trace took this many times its op-by-op time there: rare, hot later
+RARE_WINDOW = 512  # recent flushes a trace's runs are counted over (Note [rare traces])
+RARE_RATIO = 10  # another trace ran this many times as often there (and as long): rare, hot later
 RARE_RECHECK = 64  # flushes a rare verdict is kept before it is counted again
 RECORD_S = 6e-6  # recording cost per op over eager's; measured at start (calibrate.py)
 REPLAY_EXTRA_S = 3e-6  # op-by-op replay's cost per op over eager's; measured at start too
@@ -1038,19 +1038,24 @@ class CompileManager:
         the logits processor run once per call, against 31-63 runs of the decode trace. Each
         became hot after 3 calls and compiled (10-30 s of a core each): a first process of the
         varlen benchmark's four generate cases compiled 15 programs, 4 of them per token. So over
-        the last RARE_WINDOW flushes, from this trace's first run there on, each trace's time
-        is counted (runs x its best recent op-by-op time, or fused time if never op by op):
-        where another trace that ran at least twice as often took q >= RARE_RATIO times this
-        trace's, it is hot only after hot_after x q runs (the prefill of a 32-token
-        generation after some 100 calls). Counting from the trace's own first run keeps a
-        phase change (a loop after a warm-up) from making the new loop's trace rare beside
-        the old one, and the run-count condition keeps one slow cold run of a trace seen once
-        from outweighing a trace that repeats. Time, not op counts: a foreach optimizer
-        trace of 15 ops can weigh as much as an 800-op forward and backward (op counts made it
-        rare at q ~ 50). A loop split into several traces of similar weight (a step cut by
-        ``.item()`` calls) is not affected; neither is a trace an earlier process found hot
-        (``was_hot``), a trace with no timing yet, nor a distributed job (whose ranks agree on
-        the hot run, Note [ranks agree]; timings differ between ranks). The verdict is kept
+        the last RARE_WINDOW flushes, from this trace's first run there on, runs are counted:
+        where another trace ran q >= RARE_RATIO times as often and also took at least as long
+        in all (its runs x its best recent run time against this trace's), this trace is hot
+        only after hot_after x q runs (the prefill of a 32-token generation after some 93
+        calls). Counts, not times, set q: a trace's first op-by-op runs are cold and, while a
+        compile is in flight, its only timed ones (record_replay keeps no samples then), so
+        time ratios of single samples swung 3x under load and a time-weighted rule let the
+        prefill and the mask set-up compile in one run and not the next. The time condition
+        only keeps a heavy trace (a prefill of a long prompt) from reading as rare beside a
+        frequent light one (a 2-op check per token); it allows this trace up to q times the
+        other's time per run, so a cold sample does not flip it. Counting
+        from the trace's own first run keeps a phase change (a loop after a warm-up) from
+        making the new loop's trace rare beside the old one. Not rare: traces that run about
+        equally often (a step cut by ``.item()`` calls; a 15-op foreach optimizer trace beside
+        an 800-op forward and backward, which op counts as weights made rare at q ~ 50;
+        gradient accumulation over fewer than RARE_RATIO micro-batches), a trace an earlier
+        process found hot (``was_hot``), a trace with no timing yet, and a distributed job
+        (whose ranks agree on the hot run, Note [ranks agree]). The verdict is kept
         for RARE_RECHECK flushes (counting is O(window), at the trace's hot runs only)."""
         hot_after = self.options.hot_after
         if entry.runs < hot_after or distributed.active():
@@ -1065,20 +1070,19 @@ class CompileManager:
             first = len(recent)
         counts = collections.Counter(recent[first:])  # since this trace first ran in the window
         mine = max(counts.get(entry, 0), 1)
-        own = _run_time(entry)
-        top = 0.0
-        for e, c in counts.items():
-            if e is not entry and c >= 2 * mine:  # only a trace that ran more often outweighs
-                t = _run_time(e)
-                top = max(top, c * t)
-        q = int(top / (mine * own)) if own else 0
-        need = hot_after * q if q >= RARE_RATIO else hot_after
+        own = mine * _run_time(entry)
+        q = 0
+        for e, c in counts.items():  # the most frequent trace that also took as long in all
+            if e is not entry and c >= RARE_RATIO * mine and c // mine > q and own and \
+                    c * _run_time(e) >= own:
+                q = c // mine
+        need = hot_after * q if q else hot_after
         if len(self._rare_seen) > 4096:
             self._rare_seen.clear()
         self._rare_seen[entry.digest] = (self.flushes, need)
         if need > hot_after and seen is None:
-            log.info("adaptive_eager: trace %s (%d ops) is rare: another trace took %dx its "
-                     "time over the last %d flushes; it compiles after %d runs", entry.digest[:12],
+            log.info("adaptive_eager: trace %s (%d ops) is rare: another trace ran %dx as often "
+                     "over the last %d flushes; it compiles after %d runs", entry.digest[:12],
                      entry.n_ops, q, len(self._recent), need)
         return need
 
