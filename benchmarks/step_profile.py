@@ -119,8 +119,8 @@ def paired(args: argparse.Namespace, cache: str) -> int:
     itself is measured); and op-by-op replay (backend="replay"). After warming each, rounds of
     one step per mode, the order rotated every round (``--compile`` adds torch.compile of the
     whole step, ``--program`` the engine's largest program called on its own); process CPU time
-    per step (one torch thread: kernels run in this thread) and wall clock. Prints the medians, the ratios to eager
-    and what the engine decided for its traces."""
+    per step (one torch thread: kernels run in this thread) and wall clock. Prints the medians,
+    the ratios to eager and what the engine decided for its traces."""
     import resource
 
     import adaptive_eager as ae
