@@ -499,13 +499,6 @@ def test_deeply_nested_guard_block_reads_as_unknown() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "backends/inductor.py: standalone_compile(dynamic_shapes='from_graph') takes its fake mode "
-    "from the outputs' example values; a graph with no tensor output gets a fresh ShapeEnv "
-    "whose first unbacked float is named zuf0 again, equal to _fake_dynamic's binding: "
-    "rebind_unbacked raises 'zuf0 possible memo disaster' (helper process and in-process "
-    "alike). Fix: compile under torch._guards.tracing(TracingContext(mode)) with "
-    "dynamic_shapes='from_tracing_context' (helper C's report, session 8)"))
 def test_lifted_scalar_without_outputs_compiles() -> None:
     """A symbolic trace whose only effect is an in-place write with a varying Python float
     (lifted: an aten.item in the program) and no tensor output: it should compile once and

@@ -78,8 +78,15 @@ class InductorBackend:
             if getattr(graph, "dynamic", None):  # Note [symbolic programs] in graph.py
                 fakes = _fake_dynamic(graph)
                 _not_specialized(fakes, "propagating shapes")
-                program = torch._inductor.standalone_compile(
-                    graph.gm, fakes, dynamic_shapes="from_graph", options=self.options, aot=True)
+                # the fakes' own mode, through a tracing context: ``from_graph`` took it from
+                # the outputs' example values, and a graph with no tensor output (in-place
+                # writes only) got a fresh ShapeEnv whose first unbacked float was zuf0 again
+                # ("possible memo disaster" in rebind_unbacked; helper C's finding, session 8)
+                mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
+                with torch._guards.tracing(torch._guards.TracingContext(mode)):
+                    program = torch._inductor.standalone_compile(
+                        graph.gm, fakes, dynamic_shapes="from_tracing_context",
+                        options=self.options, aot=True)
                 _not_specialized(fakes, "compiling")
                 program.ae_shape_guards = shape_guards(fakes)  # Note [program shape guards]
             else:
