@@ -21,6 +21,7 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager import backends
 from adaptive_eager import graph as graph_mod
+from helpers import train_steps
 from adaptive_eager.backends.inductor import InductorBackend
 from conftest import assert_same
 
@@ -98,17 +99,7 @@ def _train(kind: str, options: dict[str, Any] | None, steps: int = 10) -> list[t
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = _optimizer(kind, list(net.parameters()))
     x, y = torch.randn(32, 8), torch.randn(32, 4)
-    ctx = ae.adaptive_eager(**options) if options is not None else None
-    if ctx is not None:
-        ctx.__enter__()
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+    train_steps(net, opt, x, y, steps, options)
     return [p.detach().clone() for p in net.parameters()] + [
         t.clone() for st in opt.state.values() for t in st.values() if t.dim()]
 
