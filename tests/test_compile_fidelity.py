@@ -482,8 +482,9 @@ def test_exit_with_compile_pending_is_prompt_and_says_so(tmp_path: Path, cache_d
 
 
 _SIGINT = textwrap.dedent("""
-    import sys, torch
+    import faulthandler, signal, sys, torch
     import adaptive_eager as ae
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump if it hangs
     x = torch.randn(128, 128)
     with ae.adaptive_eager(hot_after=2, step_aside=False, cache_dir=sys.argv[1]):
         for i in range(10 ** 9):
@@ -505,7 +506,14 @@ def test_sigint_under_the_engine_exits_as_python_does(tmp_path: Path, cache_dir:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "running"
         time.sleep(1.0)  # a compile of the hot trace is pending in the helper by now
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # say where it is stuck (every thread's stack)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"no exit 120 s after SIGINT; the child's stacks:\n{err[-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
