@@ -494,6 +494,8 @@ _SIGINT = textwrap.dedent("""
             ae.sync()
             if i == 3:
                 print("running", flush=True)
+                print("sigint:", signal.getsignal(signal.SIGINT),
+                      sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])), file=sys.stderr)
 """)
 
 
