@@ -167,6 +167,78 @@ _UNSAFE_VIEW_OPS = {aten.unsafe_split.Tensor: aten.split.Tensor,
                     aten.unsafe_chunk.default: aten.chunk.default}
 
 
+# Note [views as reshapes]
+# A ``view`` (or ``_unsafe_view``) is recorded with the strides eager gave its input, but the
+# compiler traces the graph with its own meta functions, whose output strides can differ from
+# eager's kernels: ``cat`` of a legacy empty tensor and a transposed one is contiguous in eager
+# and keeps the transposed layout under FakeTensor, so the ``view`` matmul recorded next to it
+# ("Cannot view a tensor with shape [2, 4, 8, 9] and strides (288, 8, 1, 32)") failed every
+# compile of Hugging Face GPT-2's training step. ``reshape`` gives the same values whatever the
+# strides (a view where one exists, a copy otherwise); the copy is only safe where no one can
+# tell: nothing in the trace writes to that view's alias family, and neither the view nor any view
+# made from it is an output.
+_RESHAPE_OK = {aten.view.default, aten._unsafe_view.default}
+
+
+def _reshapable_views(trace: Trace, live: list[int]) -> set[int]:
+    """Indices of the trace's view ops that the graph may emit as ``reshape``."""
+    from adaptive_eager.dispatch.opspec import spec_for
+
+    family: dict[Any, Any] = {}  # slot (int) or id(external tensor) -> parent key
+
+    def root(k: Any) -> Any:
+        while k in family:
+            k = family[k]
+        return k
+
+    def key(a: Any) -> Any:
+        return a.i if type(a) is Slot else ("x", id(a))
+
+    children: dict[int, list[int]] = {}  # view output slots made from each slot
+    writes: list[Any] = []  # keys written by some op; their roots once every union is made
+    candidates: list[tuple[int, int]] = []  # (op index, output slot)
+    for n, (op, args, kwargs, slots) in enumerate(trace.ops):
+        spec = spec_for(op)
+        if spec.view_arg is not None and spec.view_arg < len(args):
+            src = args[spec.view_arg]
+            if isinstance(src, (Slot, torch.Tensor)):
+                outs = [slots] if type(slots) is int else [s for s in _flat(slots)]
+                k = key(src)
+                for s in outs:
+                    if root(s) != root(k):
+                        family[root(s)] = root(k)
+                    if type(src) is Slot:
+                        children.setdefault(src.i, []).append(s)
+                if op in _RESHAPE_OK and type(slots) is int:
+                    candidates.append((n, slots))
+        if spec.writes:
+            for w in spec.writes:
+                a = args[w] if type(w) is int and w < len(args) else kwargs.get(w)
+                for t in _flat(a) if isinstance(a, (list, tuple)) else (a,):
+                    if isinstance(t, (Slot, torch.Tensor)):
+                        writes.append(key(t))
+    written = {root(k) for k in writes}
+    alive = set(live)
+    ok: set[int] = set()
+    for n, s in candidates:
+        if root(s) in written:
+            continue
+        stack, seen_live = [s], False
+        while stack and not seen_live:
+            x = stack.pop()
+            seen_live = x in alive
+            stack.extend(children.get(x, ()))
+        if not seen_live:
+            ok.add(n)
+    return ok
+
+
+def _flat(a: Any) -> list[Any]:
+    if isinstance(a, (list, tuple)):
+        return [y for x in a for y in _flat(x)]
+    return [] if a is None else [a]
+
+
 def _bit_view_slots(trace: Trace, live: list[int]) -> set[int]:
     """Outputs of conj/neg views that may become physical ops (raises Unfusable otherwise)."""
     views: set[int] = set()
@@ -396,6 +468,7 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
     if any(t.is_conj() or t.is_neg() for t in reals):
         raise Unfusable("an input is a conjugate or negative view")
     _bit_view_slots(trace, live)
+    reshapes = _reshapable_views(trace, live)
     scalars = trace.scalars
     lifted = tuple(i for i in range(len(scalars)) if i in varying)
     sym_args: dict[int, list[Any]] = {}
@@ -449,6 +522,8 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
                 op, cargs = listed
         op = _BIT_VIEWS.get(op, op)
         op = _UNSAFE_VIEW_OPS.get(op, op)
+        if n_op in reshapes:  # Note [views as reshapes]
+            op = aten.reshape.default
         variant = _functional_variant(op)
         if variant is not None:
             node = _call_functional(g, variant[0], variant[1], cargs, ckw)
