@@ -150,6 +150,69 @@ def trial_verdict(ratio: float) -> str:
     return "engine" if stay else "eager"
 
 
+# Note [sync points are safe points]
+# A program that calls no module and no optimizer inside one context (a solver loop reading
+# ``.item()`` every iteration) had no safe point: the step-aside the estimate asked for stayed
+# pending for the whole context, and the benchmark's ``item_loop`` ran 0.07x eager's speed
+# through fused programs of four ops. The value of a sync (``item``, ``tolist``, ``bool``,
+# ``float``, ``int``) reaches the user's Python after the engine's handlers returned, so
+# while a step-aside is pending those methods are wrapped in Python: after the original call,
+# the thread's engine steps aside if neither of its modes is in a handler (its dispatch mode
+# on top of the stack: not inside its own handler, nor under a user's mode; its read guard not
+# held). The wrappers exist only while some thread's step-aside is pending (plain torch before
+# and after, so the next sync point usually ends them). Dynamo skips this file (Note [compiled
+# regions] in dispatch/regions.py): code compiled in that window breaks its graph at these
+# calls and runs them eagerly, with the same values (inlining the wrapper instead recursed, and
+# Dynamo cannot trace the C method it calls).
+_SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__")
+_sync_lock = threading.Lock()
+_sync_users = 0  # presences with a step-aside pending that wrapped the methods
+_current_mode = torch.utils._python_dispatch._get_current_dispatch_mode
+
+
+def _sync_wrapper(name: str) -> Any:
+    orig = getattr(torch._C.TensorBase, name)
+
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        if not _traced_here():
+            ref = _PENDING.get(threading.get_ident())
+            presence = ref() if ref is not None else None
+            if presence is not None:
+                presence.sync_point()
+        return out
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = orig.__doc__
+    method._ae_sync_point = True  # type: ignore[attr-defined]
+    return method
+
+
+_SYNC_WRAPPERS = {name: _sync_wrapper(name) for name in _SYNC_METHODS}
+_PENDING: dict[int, Any] = {}  # thread -> weak reference to its presence, step-aside pending
+
+
+def _wrap_sync_methods(presence: Any, on: bool) -> None:
+    """Install the sync-point wrappers for ``presence`` (on) or take its share away (off)."""
+    global _sync_users
+    with _sync_lock:
+        if on:
+            _PENDING[presence.thread] = weakref.ref(presence)
+            _sync_users += 1
+            if _sync_users == 1:
+                for name, fn in _SYNC_WRAPPERS.items():
+                    setattr(torch.Tensor, name, fn)
+        else:
+            ref = _PENDING.get(presence.thread)
+            if ref is not None and ref() in (presence, None):
+                del _PENDING[presence.thread]
+            _sync_users -= 1
+            if _sync_users == 0:
+                for name, fn in _SYNC_WRAPPERS.items():
+                    if torch.Tensor.__dict__.get(name) is fn:
+                        delattr(torch.Tensor, name)
+
+
 class _StepHook:
     """One optimizer step hook for the whole process, registered once and never removed.
 
@@ -228,6 +291,7 @@ class Presence:
         self.probing = False  # back in the engine for a probe, no verdict yet
         self.probes_in_vain = 0  # probes that ended aside again (Note [probes back off])
         self.generation = 0  # api.py's clear_caches() generation this presence serves
+        self._sync_wrapped = False  # Note [sync points are safe points]
 
     def activate(self) -> None:
         if not self.active:
@@ -295,6 +359,7 @@ class Presence:
 
     def close(self) -> None:
         self.in_context = False
+        self._unwrap_sync()
         self._remove_tick_hooks()
         self.deactivate()
         self._remove_hooks()
@@ -311,6 +376,22 @@ class Presence:
         if self.pending is None and not self.aside:
             self.pending = reason
             self._install_hooks()
+            if not self._sync_wrapped:
+                self._sync_wrapped = True
+                _wrap_sync_methods(self, True)
+
+    def _unwrap_sync(self) -> None:
+        if self._sync_wrapped:
+            self._sync_wrapped = False
+            _wrap_sync_methods(self, False)
+
+    def sync_point(self) -> None:
+        """After a sync method returned a value (Note [sync points are safe points])."""
+        if self.pending is None:
+            self._unwrap_sync()
+            return
+        if _current_mode() is self.modes[-1] and not getattr(self.modes[0], "held", 0):
+            self.safe_point()
 
     def safe_point(self) -> None:
         """Called in plain Python on the engine's thread: act on a pending step-aside."""
@@ -318,6 +399,7 @@ class Presence:
         if (self.pending is not None and self.active and not self.engine.flushing
                 and threading.get_ident() == self.thread):
             reason, self.pending = self.pending, None
+            self._unwrap_sync()
             self._go_aside(reason)
 
     def _go_aside(self, reason: str) -> None:

@@ -366,3 +366,78 @@ def test_run_log_of_many_contexts_is_written_at_exit(tmp_path: Path) -> None:
     assert len(logs) == 1, logs
     run = json.loads(logs[0].read_text().splitlines()[0])
     assert run["metrics"]["ops_intercepted"] == 600, run["metrics"]
+
+
+def _solve(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, iters: int,
+           residuals: list[float]) -> None:
+    """benchmarks' item_loop: no module, no optimizer, a ``.item()`` and a branch each
+    iteration (Note [sync points are safe points] in aside.py)."""
+    for _ in range(iters):
+        r = b - a @ x
+        res = r.norm().item()
+        residuals.append(res)
+        x.add_(r, alpha=0.5 if res > 1.0 else 0.1)
+
+
+def _system() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    m = torch.randn(16, 16)
+    return torch.eye(16) + 0.05 * (m + m.T), torch.randn(16)
+
+
+def test_a_sync_point_is_a_safe_point(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    calibrate()
+    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second per op
+    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    a, b = _system()
+    want: list[float] = []
+    x_want = torch.zeros(16)
+    _solve(a, b, x_want, 80, want)
+    got: list[float] = []
+    x = torch.zeros(16)
+    deferred = []
+    with ae.adaptive_eager(hot_after=2, compile_async=False, cache_dir=cache_dir):
+        for _ in range(80):
+            _solve(a, b, x, 1, got)
+            deferred.append(ae.metrics()["ops_deferred"])
+    m = ae.metrics()
+    assert m["step_asides"] == 1, m
+    assert deferred[-1] == deferred[-30] > 0  # aside inside the one context, for good
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, x_want, rtol=1e-5, atol=1e-6)
+    assert not any(n in torch.Tensor.__dict__ for n in ("item", "tolist", "__bool__"))
+
+
+class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_step_aside_under_a_users_mode(monkeypatch: pytest.MonkeyPatch,
+                                          cache_dir: Path) -> None:
+    """A pending step-aside waits while a user's dispatch mode sits above the engine's (leaving
+    then would pop the user's mode), and happens at the first sync after it left."""
+    calibrate()
+    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
+    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    a, b = _system()
+    want: list[float] = []
+    _solve(a, b, torch.zeros(16), 60, want)
+    got: list[float] = []
+    x = torch.zeros(16)
+    user = _Counting()
+    with ae.adaptive_eager(hot_after=2, compile_async=False, cache_dir=cache_dir):
+        with user:  # hot, compiled, decided: the step-aside is asked for, and waits
+            _solve(a, b, x, 40, got)
+            assert ae.metrics()["step_asides"] == 0
+            assert torch.utils._python_dispatch._get_current_dispatch_mode() is user
+            assert "item" in torch.Tensor.__dict__  # pending: the sync methods are wrapped
+        _solve(a, b, x, 20, got)
+    assert ae.metrics()["step_asides"] == 1
+    assert user.calls > 0
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
