@@ -177,6 +177,26 @@ def test_python_callbacks_refuse_grad_like_eager() -> None:
     assert_equal_tree(expected, got)
 
 
+def test_python_callbacks_refuse_grad_arguments_and_take_keywords() -> None:
+    """map_'s other and map2_'s x, y are refused like self when they require grad; keyword
+    arguments pass as in plain torch (the wrapper installed at import took none)."""
+    def fn() -> Any:
+        a = torch.zeros(3)
+        y = torch.ones(3, requires_grad=True) * 1
+        with pytest.raises(RuntimeError, match=r"Can't call map_\(\) on Variable that requires"):
+            a.map_(y, lambda p, q: p + q)
+        with pytest.raises(RuntimeError, match=r"Can't call map2_\(\) on Variable that requires"):
+            a.map2_(torch.ones(3) * 1, y, lambda p, q, r: p + q + r)
+        b = torch.zeros(2) + 1
+        b.map_(torch.ones(2) * 3, callable=lambda p, q: p + q)
+        c = torch.zeros(2)
+        c.map2_(b, torch.ones(2), callable=lambda p, q, r: p * q - r)
+        return a + 0, b + 0, c + 0
+
+    expected, got = _repeated(fn)
+    assert_equal_tree(expected, got)
+
+
 def _tiny_hf(name: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()

@@ -296,14 +296,18 @@ _CALLBACK_METHODS = ("apply_", "map_", "map2_")
 
 
 def _on_values(orig: Any, name: str) -> Any:
-    def method(self: torch.Tensor, *args: Any) -> torch.Tensor:
-        if type(self) is LazyTensor and self.requires_grad:
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # eager refuses a tensor that requires grad, self or an argument (map_'s other,
+        # map2_'s x and y); a lazy one's value does not, so ask the wrappers
+        if any(type(t) is LazyTensor and t.requires_grad
+               for t in (self, *args, *kwargs.values())):
             raise RuntimeError(f"Can't call {name}() on Variable that requires grad. "
                                f"Use var.detach().{name}() instead.")
         from adaptive_eager.engine import _flush_before_handoff
 
         _flush_before_handoff(f"read:{name}")
-        orig(resolve_all(self), *(resolve_all(a) for a in args))
+        orig(resolve_all(self), *(resolve_all(a) for a in args),
+             **{k: resolve_all(v) for k, v in kwargs.items()})
         return self
 
     method.__name__ = method.__qualname__ = name
