@@ -1501,6 +1501,12 @@ class CompileManager:
     def _fail(self, entry: TraceEntry, stage: str, err: BaseException) -> None:
         entry.state = "failed"
         entry.program = None
+        # Note [failed means decided]: a trace that cannot be fused runs op by op for good, so
+        # the step-aside estimate weighs it as a decided trace. Left out, a program whose every
+        # hot trace was declined (an LSTM language model: mkldnn_rnn_layer) had no decision,
+        # hence no estimate and no trial, and replayed at 0.63x eager forever.
+        if entry.replay_s and not any(e is entry for e in self.decided):
+            self.decided.append(entry)
         entry.error = f"{stage}: {type(err).__name__}: {err}"[:500]
         transient = _transient(err)
         entry.decision = f"op-by-op: {stage} failed" + (" (transient)" if transient else "")
@@ -1586,12 +1592,13 @@ class CompileManager:
                 and stats.get("torch") == torch.__version__):
             entry.state = "replay"
             entry.decision = stats["decision"] + " (earlier run)"
-            if stats.get("replay_ms") and stats.get("fused_ms"):  # counts for stepping aside
-                entry.replay_s = [stats["replay_ms"] / 1e3]
-                entry.fused_s = [stats["fused_ms"] / 1e3]
+            if stats.get("replay_ms"):  # counts for stepping aside (failed ones too: Note
+                entry.replay_s = [stats["replay_ms"] / 1e3]  # [failed means decided])
                 self.decided.append(entry)
-                # this process re-measures if its own op-by-op time disagrees
-                self._stored_fused[entry.digest] = stats["fused_ms"] / 1e3
+                if stats.get("fused_ms"):
+                    entry.fused_s = [stats["fused_ms"] / 1e3]
+                    # this process re-measures if its own op-by-op time disagrees
+                    self._stored_fused[entry.digest] = stats["fused_ms"] / 1e3
             return True
         entry.was_hot = bool(stats.get("hot")) or retry
         entry.varying |= set(stats.get("varying", ()))

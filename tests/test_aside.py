@@ -441,3 +441,48 @@ def test_no_step_aside_under_a_users_mode(monkeypatch: pytest.MonkeyPatch,
     assert ae.metrics()["step_asides"] == 1
     assert user.calls > 0
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def _lstm_train(steps: int, options: dict | None) -> list[float]:
+    """An LSTM language model's step: every hot trace holds mkldnn_rnn_layer, which the graph
+    builder declines (Unfusable), so nothing can ever be fused."""
+    torch.manual_seed(0)
+    rnn = torch.nn.LSTM(8, 8, num_layers=1)
+    head = torch.nn.Linear(8, 4)
+    params = [*rnn.parameters(), *head.parameters()]
+    x, y = torch.randn(5, 3, 8), torch.randint(0, 4, (15,))
+    losses = []
+    ctx = ae.adaptive_eager(**options) if options is not None else None
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        for _ in range(steps):
+            out, _ = rnn(x)
+            loss = torch.nn.functional.cross_entropy(head(out).reshape(15, 4), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in params:
+                    p.add_(p.grad, alpha=-0.1)
+                    p.grad = None
+            losses.append(loss.item())
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return losses
+
+
+def test_traces_that_cannot_fuse_count_as_decided(cache_dir: Path) -> None:
+    """Note [failed means decided] in compiler.py: with every hot trace declined, the engine
+    had no decision to weigh and replayed op by op for good (lstm_lm: 0.63x eager); now it
+    steps aside, in the process that found out and in the next one (decision from disk)."""
+    want = _lstm_train(40, None)
+    opts = {"hot_after": 2, "compile_async": False, "cache_dir": cache_dir}
+    got = _lstm_train(40, opts)
+    assert ae.metrics()["step_asides"] == 1, ae.metrics()
+    assert got == want  # op by op, then plain eager: bitwise
+    ae.clear_caches()
+    ae.reset_metrics()
+    got = _lstm_train(40, opts)
+    m = ae.metrics()
+    assert m["step_asides"] == 1 and m["compiles"] == 0, m
+    assert got == want
