@@ -1898,6 +1898,275 @@ hot_init_dropouts(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* Note [replay in C]
+ * Op-by-op replay of a trace (execute.replay, Note [replay call plan] in execute.py) spends
+ * about 8k instructions per op in its own Python loop around the aten call (add16 of
+ * benchmarks/op_overhead.py): the argument list, the slot and lazy-tensor lookups, the call
+ * through ``*ra``, the store, the release lookup. ``replay(ops, plan, env, drops, grad_ops)``
+ * runs that loop in C for the plan's ``simple`` entries: the op's arguments go on a C array,
+ * the positions the plan names are resolved there (a Slot marker: ``env[slot.i]``; a
+ * LazyTensor: its ``_ae_real``), the op's C++ callable (``OpOverload._op``) is called with
+ * vectorcall (kwargs, already free of tensors in a simple entry, as a dict), the result is
+ * stored as ``execute._store`` stores it (an int slot; None; a tuple/list of those zipped with
+ * a tuple/list result, nested; anything else through ``_store`` itself), and the slots that
+ * ``drops[i]`` names are set to None. An entry that is not simple (a list holding slots or
+ * lazy tensors, kwargs holding tensors), one in ``grad_ops`` (Note [grad-mode kernels]), or
+ * one with more than MAX_REPLAY_ARGS arguments is run by ``execute._replay_one`` (the Python
+ * loop's own body), then dropped by C as above. Signals are checked before every op (the
+ * Python loop checks them between bytecodes), and an error raised at op i (by the op, a
+ * store, or _replay_one) gets ``execute._note_replay_error``'s note, the Python path's, before
+ * it propagates. The caller has entered ReplayGuard. ADAPTIVE_EAGER_ACCEL=0 runs the Python
+ * loop; tests/test_replay_accel.py compares the two. */
+static PyObject *R_SlotT, *R_LazyT, *R_one, *R_store, *R_note, *s_i;
+static Fast f_slot_i;
+static Py_ssize_t n_replayed = 0, n_replayed_py = 0;
+#define MAX_REPLAY_ARGS 64
+
+/* env[slots] = res as execute._store does. 0 ok, -1 error. */
+static int
+r_store(PyObject *slots, PyObject *res, PyObject *env)
+{
+    if (PyLong_CheckExact(slots)) {
+        Py_ssize_t k = PyLong_AsSsize_t(slots);
+        if (k >= 0 && k < PyList_GET_SIZE(env)) {
+            PyObject *old = PyList_GET_ITEM(env, k);
+            Py_INCREF(res);
+            PyList_SET_ITEM(env, k, res);
+            Py_XDECREF(old);
+            return 0;
+        }
+        if (k == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        return PyObject_SetItem(env, slots, res); /* what env[slots] = res does */
+    }
+    if (slots == Py_None)
+        return 0;
+    if ((PyTuple_CheckExact(slots) || PyList_CheckExact(slots)) &&
+        (PyTuple_CheckExact(res) || PyList_CheckExact(res))) {
+        Py_INCREF(slots);
+        Py_INCREF(res);
+        int rc = 0;
+        /* zip: the shorter of the two (sizes re-read: a list may change under a store) */
+        for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(slots) &&
+                               k < PySequence_Fast_GET_SIZE(res); k++) {
+            PyObject *s = PySequence_Fast_GET_ITEM(slots, k);
+            if (s == Py_None)
+                continue;
+            PyObject *r = PySequence_Fast_GET_ITEM(res, k);
+            Py_INCREF(s);
+            Py_INCREF(r);
+            rc = r_store(s, r, env);
+            Py_DECREF(s);
+            Py_DECREF(r);
+            if (rc < 0)
+                break;
+        }
+        Py_DECREF(slots);
+        Py_DECREF(res);
+        return rc;
+    }
+    PyObject *a[3] = {slots, res, env};
+    PyObject *r = PyObject_Vectorcall(R_store, a, 3, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* env[s] = None for each slot of the tuple ``d``. 0 ok, -1 error. */
+static int
+r_drop(PyObject *d, PyObject *env)
+{
+    if (!PyTuple_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "replay: drops[i] must be None or a tuple of slots");
+        return -1;
+    }
+    for (Py_ssize_t q = 0; q < PyTuple_GET_SIZE(d); q++) {
+        Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(d, q));
+        if (s == -1 && PyErr_Occurred())
+            return -1;
+        if (s < 0 || s >= PyList_GET_SIZE(env)) {
+            PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+            return -1;
+        }
+        PyObject *old = PyList_GET_ITEM(env, s);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(env, s, Py_None);
+        Py_XDECREF(old);
+    }
+    return 0;
+}
+
+/* One simple entry: resolve the plan's positions, call, store. 0 ok, -1 error. */
+static int
+r_simple(PyObject *call, PyObject *pos, PyObject *args, PyObject *kwargs, PyObject *slots,
+         PyObject *env)
+{
+    PyObject *stack[MAX_REPLAY_ARGS], *owned[MAX_REPLAY_ARGS];
+    Py_ssize_t na = PyTuple_GET_SIZE(args), np = PyTuple_GET_SIZE(pos);
+    int n_owned = 0, rc = -1;
+    for (Py_ssize_t k = 0; k < na; k++)
+        stack[k] = PyTuple_GET_ITEM(args, k); /* borrowed: the caller holds the op's entry */
+    for (Py_ssize_t q = 0; q < np; q++) {
+        Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(pos, q));
+        if (j < 0 || j >= na) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto done;
+        }
+        PyObject *a = stack[j];
+        if (Py_TYPE(a) == (PyTypeObject *)R_SlotT) {
+            PyObject *iv = fget(a, s_i, &f_slot_i);
+            if (iv == NULL)
+                goto done;
+            Py_ssize_t s = PyLong_AsSsize_t(iv);
+            Py_DECREF(iv);
+            if (s < 0 || s >= PyList_GET_SIZE(env)) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_IndexError, "list index out of range");
+                goto done;
+            }
+            stack[j] = PyList_GET_ITEM(env, s); /* borrowed: env changes only below */
+        }
+        else if (Py_TYPE(a) == (PyTypeObject *)R_LazyT) {
+            PyObject *r = PyObject_GetAttr(a, s_ae_real);
+            if (r == NULL)
+                goto done;
+            owned[n_owned++] = r;
+            stack[j] = r;
+        }
+    }
+    PyObject *res;
+    if (kwargs != NULL && PyDict_CheckExact(kwargs) && PyDict_GET_SIZE(kwargs) > 0)
+        res = PyObject_VectorcallDict(call, stack, na, kwargs);
+    else
+        res = PyObject_Vectorcall(call, stack, na, NULL);
+    if (res == NULL)
+        goto done;
+    rc = r_store(slots, res, env);
+    Py_DECREF(res);
+done:
+    for (int k = 0; k < n_owned; k++)
+        Py_DECREF(owned[k]);
+    return rc;
+}
+
+/* replay(ops, plan, env, drops, grad_ops): Note [replay in C] */
+static PyObject *
+hot_replay(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
+{
+    if (n != 5 || !PyList_CheckExact(av[0]) || !PyList_CheckExact(av[1]) ||
+        !PyList_CheckExact(av[2]) || !PyList_CheckExact(av[3]) ||
+        (av[4] != Py_None && !PyDict_CheckExact(av[4]))) {
+        PyErr_SetString(PyExc_TypeError, "replay(ops: list, plan: list, env: list, drops: list, "
+                                         "grad_ops: dict | None)");
+        return NULL;
+    }
+    if (R_one == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "adaptive_eager._hot: init_replay() was not called");
+        return NULL;
+    }
+    PyObject *ops = av[0], *plan = av[1], *env = av[2], *drops = av[3], *grad_ops = av[4];
+    if (grad_ops != Py_None && PyDict_GET_SIZE(grad_ops) == 0)
+        grad_ops = Py_None;
+    Py_ssize_t i = 0, n_ops = PyList_GET_SIZE(plan);
+    if (PyList_GET_SIZE(ops) < n_ops || PyList_GET_SIZE(drops) < n_ops) {
+        PyErr_SetString(PyExc_ValueError, "replay: ops and drops must cover the plan");
+        return NULL;
+    }
+    for (; i < n_ops && i < PyList_GET_SIZE(plan) && i < PyList_GET_SIZE(ops) &&
+           i < PyList_GET_SIZE(drops); i++) {
+        if (PyErr_CheckSignals() < 0)
+            goto fail;
+        PyObject *p = PyList_GET_ITEM(plan, i), *item = PyList_GET_ITEM(ops, i);
+        Py_INCREF(p);
+        Py_INCREF(item);
+        int slow = !PyTuple_CheckExact(p) || PyTuple_GET_SIZE(p) != 3 ||
+                   !PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 4 ||
+                   PyTuple_GET_ITEM(p, 2) != Py_True ||
+                   !PyTuple_CheckExact(PyTuple_GET_ITEM(p, 1)) ||
+                   !PyTuple_CheckExact(PyTuple_GET_ITEM(item, 1)) ||
+                   PyTuple_GET_SIZE(PyTuple_GET_ITEM(item, 1)) > MAX_REPLAY_ARGS ||
+                   (PyTuple_GET_ITEM(item, 2) != NULL && !PyDict_CheckExact(PyTuple_GET_ITEM(item, 2)));
+        int rc = 0;
+        if (!slow && grad_ops != Py_None) {
+            PyObject *key = PyLong_FromSsize_t(i);
+            rc = key == NULL ? -1 : PyDict_Contains(grad_ops, key);
+            Py_XDECREF(key);
+            if (rc > 0)
+                slow = 1;
+        }
+        if (rc >= 0) {
+            if (slow) {
+                n_replayed_py++;
+                PyObject *idx = PyLong_FromSsize_t(i);
+                rc = -1;
+                if (idx != NULL) {
+                    PyObject *a[5] = {ops, plan, av[4], idx, env};
+                    PyObject *r = PyObject_Vectorcall(R_one, a, 5, NULL);
+                    Py_DECREF(idx);
+                    if (r != NULL) {
+                        rc = 0;
+                        Py_DECREF(r);
+                    }
+                }
+            }
+            else {
+                n_replayed++;
+                rc = r_simple(PyTuple_GET_ITEM(p, 0), PyTuple_GET_ITEM(p, 1),
+                              PyTuple_GET_ITEM(item, 1), PyTuple_GET_ITEM(item, 2),
+                              PyTuple_GET_ITEM(item, 3), env);
+            }
+        }
+        Py_DECREF(p);
+        Py_DECREF(item);
+        if (rc < 0)
+            goto fail;
+        PyObject *d = PyList_GET_ITEM(drops, i);
+        if (d != Py_None && r_drop(d, env) < 0)
+            goto fail;
+    }
+    Py_RETURN_NONE;
+fail: {
+        /* the Python path's note (execute._note_replay_error: Exceptions only), then re-raise */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyErr_NormalizeException(&t, &v, &tb);
+        if (tb != NULL && v != NULL)
+            PyException_SetTraceback(v, tb);
+        PyObject *idx = PyLong_FromSsize_t(i);
+        if (idx != NULL && v != NULL) {
+            PyObject *a[3] = {v, idx, ops};
+            PyObject *r = PyObject_Vectorcall(R_note, a, 3, NULL);
+            Py_XDECREF(r);
+        }
+        Py_XDECREF(idx);
+        PyErr_Clear(); /* a failure of the note itself: the op's error is the one to raise */
+        PyErr_Restore(t, v, tb);
+        return NULL;
+    }
+}
+
+/* init_replay(Slot, LazyTensor, replay_one, store, note): execute.py's objects (Note [replay
+ * in C]) */
+static PyObject *
+hot_init_replay(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
+{
+    if (n != 5 || !PyType_Check(av[0]) || !PyType_Check(av[1]) || !PyCallable_Check(av[2]) ||
+        !PyCallable_Check(av[3]) || !PyCallable_Check(av[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "init_replay(Slot: type, LazyTensor: type, replay_one, store, note)");
+        return NULL;
+    }
+    PyObject **dst[5] = {&R_SlotT, &R_LazyT, &R_one, &R_store, &R_note};
+    for (int k = 0; k < 5; k++) {
+        Py_INCREF(av[k]);
+        Py_XSETREF(*dst[k], av[k]);
+    }
+    fast_init(&f_slot_i, av[0], "i");
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 hot_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
@@ -1907,14 +2176,15 @@ hot_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
     Py_ssize_t direct = 0;
     for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++)
         direct += fs[i]->t != NULL && fs[i]->off >= 0;
-    return Py_BuildValue("{snsnsnsnsnsnsn}", "fast", n_fast, "slow", n_slow, "faults", n_fault,
-                         "sym", n_sym, "ext", n_ext, "handed", n_handed, "direct_fields", direct);
+    return Py_BuildValue("{snsnsnsnsnsnsnsnsn}", "fast", n_fast, "slow", n_slow, "faults",
+                         n_fault, "sym", n_sym, "ext", n_ext, "handed", n_handed, "direct_fields",
+                         direct, "replayed", n_replayed, "replayed_py", n_replayed_py);
 }
 
 static PyObject *
 hot_reset_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
-    n_fast = n_slow = n_fault = n_sym = n_ext = n_handed = 0;
+    n_fast = n_slow = n_fault = n_sym = n_ext = n_handed = n_replayed = n_replayed_py = 0;
     Py_RETURN_NONE;
 }
 
@@ -1941,6 +2211,11 @@ static PyMethodDef methods[] = {
      "tensors and host-scalar ops handed straight to the engine's method), errors met while "
      "checking (faults: the Python path then ran the op), __slots__ fields read at their "
      "offsets."},
+    {"replay", (PyCFunction)(void (*)(void))hot_replay, METH_FASTCALL,
+     "replay(ops, plan, env, drops, grad_ops): run a trace's ops in order into env (Note "
+     "[replay in C]); drops[i]: None or the tuple of slots to set to None after op i."},
+    {"init_replay", (PyCFunction)(void (*)(void))hot_init_replay, METH_FASTCALL,
+     "init_replay(Slot, LazyTensor, replay_one, store, note): execute.py's objects, once."},
     {"reset_stats", hot_reset_stats, METH_NOARGS, "Zero the counters of stats()."},
     {NULL, NULL, 0, NULL},
 };
@@ -2024,5 +2299,6 @@ PyInit__hot(void)
     INTERN(s_run_host_scalar, "run_host_scalar");
     INTERN(s_dropout_p, "dropout_p");
     INTERN(s_p, "p");
+    INTERN(s_i, "i");
     return PyModule_Create(&module_def);
 }

@@ -63,14 +63,19 @@ def live_slots(trace: Trace) -> list[int]:
     return [s for s, ref in enumerate(trace.refs) if ref() is not None]
 
 
-def _release_plan(trace: Trace, live: list[int]) -> dict[int, list[int]]:
-    """For dead slots: after which op their value can be dropped (eager would have freed it)."""
+def _release_plan(trace: Trace, live: list[int]) -> tuple[dict[int, list[int]], list]:
+    """For dead slots: after which op their value can be dropped (eager would have freed it);
+    as a dict by op and as a list by op (None, or a tuple of slots: the C loop's form)."""
     alive = set(live)
     plan: dict[int, list[int]] = {}
     for s, last in enumerate(trace.last):
         if s not in alive:
             plan.setdefault(last, []).append(s)
-    return plan
+    drops: list = [None] * len(trace.ops)
+    for i, slots in plan.items():
+        if 0 <= i < len(drops):
+            drops[i] = tuple(slots)
+    return plan, drops
 
 
 def call_plan(trace: Trace) -> list[tuple]:
@@ -109,7 +114,11 @@ def _needs_walk(a: Any) -> bool:
 
 
 def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> list:
-    """Execute every op of ``trace`` in order; return the env of real values by slot."""
+    """Execute every op of ``trace`` in order; return the env of real values by slot.
+
+    With the C accelerator (``accel``, Note [replay in C] in _hot.c) the loop runs in C, which
+    hands the entries it does not take to ``_replay_one`` (this loop's own body); with
+    ADAPTIVE_EAGER_ACCEL=0 it runs here. Both give the same values, op for op."""
     ops = trace.ops
     env: list[Any] = [None] * trace.n_slots
     plan = None
@@ -122,12 +131,16 @@ def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> lis
         key = tuple(live)
         rel = entry.release_plan
         if rel is None or rel[0] != key:
-            rel = entry.release_plan = (key, _release_plan(trace, live))
-        release = rel[1]
+            rel = entry.release_plan = (key, *_release_plan(trace, live))
+        release, drops = rel[1], rel[2]
     else:
         plan = call_plan(trace)
-        release = _release_plan(trace, live)
+        release, drops = _release_plan(trace, live)
     grad_ops = trace.grad_ops
+    if _c_replay is not None and trace.engine.options.accel:
+        with ReplayGuard():
+            _c_replay(ops, plan, env, drops, grad_ops or None)
+        return env
     i = 0
     with ReplayGuard():
         try:
@@ -162,11 +175,49 @@ def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> lis
                     for s in drop:
                         env[s] = None
         except Exception as err:  # KeyboardInterrupt/SystemExit pass as they are: no op raised
-            err.add_note(f"adaptive_eager: raised by deferred op {ops[i][0]} (op {i} of a trace of "
-                         f"{len(ops)}) when the trace ran; run with adaptive_eager disabled to see "
-                         "the line that recorded it")
+            _note_replay_error(err, i, ops)
             raise
     return env
+
+
+def _replay_one(ops: list, plan: list, grad_ops: dict | None, i: int, env: list) -> None:
+    """Op ``i`` of a trace, as replay's loop runs it (less the drops): the entries the C loop
+    hands back (not simple, in ``grad_ops``, or too many arguments)."""
+    call, pos, simple = plan[i]
+    _op, args, kwargs, slots = ops[i]
+    if simple:
+        ra = list(args)
+        for j in pos:
+            a = ra[j]
+            t = type(a)
+            if t is Slot:
+                ra[j] = env[a.i]
+            elif t is LazyTensor:
+                ra[j] = a._ae_real
+        rk = kwargs
+    else:
+        ra = _real(args, env)
+        rk = {k: _real(v, env) for k, v in kwargs.items()}
+    if grad_ops and i in grad_ops:  # Note [grad-mode kernels] in engine.py
+        with torch.set_grad_enabled(grad_ops[i]):
+            res = call(*ra, **rk)
+    elif rk:
+        res = call(*ra, **rk)
+    else:
+        res = call(*ra)
+    if type(slots) is int:
+        env[slots] = res
+    elif slots is not None:
+        _store(slots, res, env)
+
+
+def _note_replay_error(err: BaseException, i: int, ops: list) -> None:
+    """The note an error raised at op ``i`` of a replay gets (Exceptions only: an interrupt is
+    no op's error)."""
+    if isinstance(err, Exception):
+        err.add_note(f"adaptive_eager: raised by deferred op {ops[i][0]} (op {i} of a trace of "
+                     f"{len(ops)}) when the trace ran; run with adaptive_eager disabled to see "
+                     "the line that recorded it")
 
 
 def publish(trace: Trace, env: list, check: bool, swap: bool = True) -> None:
@@ -213,3 +264,12 @@ def poison(trace: Trace, err: BaseException) -> None:
         # of them plain tensors already (Note [lazy tensors become real])
         if type(w) is LazyTensor and w._ae_real is None:
             w._ae_error = err
+
+
+try:  # the C loop (Note [replay in C] in _hot.c); without the extension, the loop above
+    from adaptive_eager import _hot
+
+    _hot.init_replay(Slot, LazyTensor, _replay_one, _store, _note_replay_error)
+    _c_replay: Any = _hot.replay
+except (ImportError, AttributeError, TypeError):  # not built, or built from older sources
+    _c_replay = None
