@@ -706,6 +706,8 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
                     continue
                 if len(tpl.first) < _MEMO_MAX:
                     tpl.first[key] = (s, got)
+            if s not in tpl.memo and len(tpl.memo) < _MEMO_MAX:
+                _fill_memo(tpl, s)  # Note [template memo at a new size]
             sym_tr = _sym_of(tr)
             sym_tr.tpl, sym_tr.s, sym_tr.first, sym_tr.outs = tpl, s, len(tr.ops), [got]
             sym_tr.keys = [key]
@@ -772,6 +774,61 @@ def _step_of(tpl: Template, i: int, key: tuple, s: int) -> Any:
 
 
 _MEMO_MAX = 256  # values of s (first-step keys) a template remembers matches for
+
+
+def _fill_memo(tpl: Template, s: int) -> None:
+    """Note [template memo at a new size]
+    The memo (Note [template memo]) filled as keys arrived, so the first run at each s matched
+    every step's pattern in Python and recorded every op in Python too (the C accelerator takes
+    memoised steps only): GPT-2's training step at a new sequence length cost 3.4 ms more than
+    at a seen one (272 steps), and the varlen benchmark's first 60 steps meet a new length in
+    every other step. Once the anchor binds s, every later step's key is known: its pattern
+    with s put in (a Poly's value; an external's fitted metadata interned, offset 0, as
+    ``Trace.register`` interns it, so its meta id). So the whole memo for s is made here, at
+    the anchor, and each op of the run is one tuple compare (in C). A step whose pattern or
+    outputs give no value at s (a non-integer, a guard) gets no entry: it is matched in
+    Python as before, which counts the fallback. The entries say what ``_match`` says: a key
+    equal to the pattern at s is the key ``_match`` accepts (the same ints and meta ids; a
+    type test as ``_match``'s stands in the compare's element types, which the op's schema
+    fixes per position). A key that differs (another template goes on, an external with a
+    storage offset) misses the entry and is matched as before, which replaces it."""
+    memo: dict[int, tuple[tuple, Any]] = {}
+    steps = tpl.steps
+    for i in range(1, len(steps)):
+        k, ksym, out, osym = steps[i]
+        if ksym:
+            k = _inst(k, s)
+            if k is _MISSING:
+                continue
+        if osym:
+            out = _eval(out, s)
+            if out is _MISSING:
+                continue
+        memo[i] = (k, out)
+    tpl.memo[s] = memo
+
+
+def _inst(t: Any, s: int) -> Any:
+    """A key pattern with s put in: the concrete key part it matches, or _MISSING."""
+    tt = type(t)
+    if tt is Poly:
+        v = t(s)
+        return _MISSING if v is None else v
+    if tt is tuple:
+        parts = []
+        for x in t:
+            x = _inst(x, s)
+            if x is _MISSING:
+                return _MISSING
+            parts.append(x)
+        return tuple(parts)
+    if tt is ExtPat:
+        size = _eval_all(t.size, s)
+        stride = _eval_all(t.stride, s)
+        if size is None or stride is None or min(size, default=0) < 0:
+            return _MISSING
+        return intern_meta(size, stride, 0, t.dtype, t.device, t.bits).mid
+    return t
 
 
 def _others(tpl: Template, i: int) -> list[Template]:
