@@ -2210,7 +2210,8 @@ static PyMethodDef methods[] = {
      "tensors numbered in C), handed to the Python path (slow; handed: of those, views of real "
      "tensors and host-scalar ops handed straight to the engine's method), errors met while "
      "checking (faults: the Python path then ran the op), __slots__ fields read at their "
-     "offsets."},
+     "offsets; replayed: ops replay's C loop ran, replayed_py: those it handed to "
+     "execute._replay_one (Note [replay in C])."},
     {"replay", (PyCFunction)(void (*)(void))hot_replay, METH_FASTCALL,
      "replay(ops, plan, env, drops, grad_ops): run a trace's ops in order into env (Note "
      "[replay in C]); drops[i]: None or the tuple of slots to set to None after op i."},
