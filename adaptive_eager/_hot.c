@@ -1129,6 +1129,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
                 goto notfast_clean;
         dropout_free = 1;
     }
+    Py_CLEAR(tmp); /* the policy (DEFER): a new reference (NULL already on the branch above) */
     if (!dropout_free) {
         tmp = GET(spec, view_arg);
         if (tmp == NULL)

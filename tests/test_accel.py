@@ -1076,3 +1076,25 @@ def test_attention_without_dropout_and_dtype_copies_record_in_c(
     assert "aten._to_copy.default" in names, names
     # the last round: everything but the dropout's random op and its views in C
     assert stats["fast"] >= 4 * 6, stats
+
+
+@needs_hot
+def test_the_policy_object_is_not_leaked() -> None:
+    """The policy read for each op recorded in C is released (review of session 8: one reference
+    to ``opspec.DEFER`` leaked per op; harmless for a small int, a leak all the same)."""
+    from adaptive_eager.dispatch import opspec
+
+    w = torch.randn(4, 4)
+
+    def step() -> None:
+        (torch.ones(4, 4) * 2 + w).sum()
+
+    with ae.adaptive_eager(backend="replay", step_aside=False, disk_cache=False):
+        for _ in range(4):
+            step()
+            ae.sync()
+        f0 = _hot.stats()["fast"]
+        before, after = _refcounts_around((opspec.DEFER,), step, times=50)
+        n = _hot.stats()["fast"] - f0
+    assert n >= 50 * 2, n
+    assert before == after
