@@ -154,20 +154,23 @@ def trial_verdict(ratio: float) -> str:
 # A program that calls no module and no optimizer inside one context (a solver loop reading
 # ``.item()`` every iteration) had no safe point: the step-aside the estimate asked for stayed
 # pending for the whole context, and the benchmark's ``item_loop`` ran 0.07x eager's speed
-# through fused programs of four ops. The value of a sync (``item``, ``tolist``, ``bool``,
-# ``float``, ``int``) reaches the user's Python after the engine's handlers returned, so
-# while a step-aside is pending those methods are wrapped in Python: after the original call,
-# the thread's engine steps aside if neither of its modes is in a handler (its dispatch mode
-# on top of the stack: not inside its own handler, nor under a user's mode; its read guard not
-# held). The wrappers exist only while some thread's step-aside is pending (plain torch before
-# and after, so the next sync point usually ends them). Dynamo skips this file (Note [compiled
-# regions] in dispatch/regions.py): code compiled in that window breaks its graph at these
-# calls and runs them eagerly, with the same values (inlining the wrapper instead recursed, and
-# Dynamo cannot trace the C method it calls).
-_SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__")
-_sync_lock = threading.Lock()
+# through fused programs of four ops. The value of a sync (``item``, ``bool``, ``float``,
+# ``int``) reaches the user's Python after the engine's handlers returned, so while a
+# step-aside is pending those methods are wrapped in Python: after the original call, the
+# thread's engine steps aside if neither of its modes is in a handler (its dispatch mode on top
+# of the stack: not inside its own handler, nor under a user's mode; its read guard not held)
+# and no autograd node runs (autograd puts the mode stacks back after a node). The wrappers
+# exist only while some thread's step-aside is pending (plain torch before and after; a
+# presence that dies with its thread gives its share back). Code Dynamo compiles calls the
+# tensor methods itself (a wrapper in place changes nothing there). A user's TorchFunctionMode
+# that compares ``func`` with ``torch.Tensor.item`` sees the wrapper in that window.
+# ``tolist`` is not among them: it reads memory itself, and the read guard knows it by identity
+# (a wrapper in its place missed the guard's flush and read a pending write's old values).
+_SYNC_METHODS = ("item", "__bool__", "__float__", "__int__")
+_sync_lock = threading.RLock()  # _dropped may run in a collection under it
 _sync_users = 0  # presences with a step-aside pending that wrapped the methods
 _current_mode = torch.utils._python_dispatch._get_current_dispatch_mode
+_graph_task = torch._C._current_graph_task_id
 
 
 def _sync_wrapper(name: str) -> Any:
@@ -189,15 +192,33 @@ def _sync_wrapper(name: str) -> Any:
 
 
 _SYNC_WRAPPERS = {name: _sync_wrapper(name) for name in _SYNC_METHODS}
+
+
+def _dropped(ref: Any) -> None:
+    """A presence with a share died without close() (its thread ended): take the share back."""
+    global _sync_users
+    with _sync_lock:
+        for thread, r in list(_PENDING.items()):
+            if r is ref:
+                del _PENDING[thread]
+                _sync_users -= 1
+                if _sync_users == 0:
+                    for name, fn in _SYNC_WRAPPERS.items():
+                        if torch.Tensor.__dict__.get(name) is fn:
+                            delattr(torch.Tensor, name)
 _PENDING: dict[int, Any] = {}  # thread -> weak reference to its presence, step-aside pending
 
 
 def _wrap_sync_methods(presence: Any, on: bool) -> None:
-    """Install the sync-point wrappers for ``presence`` (on) or take its share away (off)."""
+    """Install the sync-point wrappers for ``presence`` (on) or take its share away (off).
+    Under the lock: a step-aside may be asked for on an autograd thread while the owner acts."""
     global _sync_users
     with _sync_lock:
+        if presence._sync_wrapped is on:
+            return
+        presence._sync_wrapped = on
         if on:
-            _PENDING[presence.thread] = weakref.ref(presence)
+            _PENDING[presence.thread] = weakref.ref(presence, _dropped)
             _sync_users += 1
             if _sync_users == 1:
                 for name, fn in _SYNC_WRAPPERS.items():
@@ -376,13 +397,10 @@ class Presence:
         if self.pending is None and not self.aside:
             self.pending = reason
             self._install_hooks()
-            if not self._sync_wrapped:
-                self._sync_wrapped = True
-                _wrap_sync_methods(self, True)
+            _wrap_sync_methods(self, True)
 
     def _unwrap_sync(self) -> None:
         if self._sync_wrapped:
-            self._sync_wrapped = False
             _wrap_sync_methods(self, False)
 
     def sync_point(self) -> None:
@@ -390,7 +408,10 @@ class Presence:
         if self.pending is None:
             self._unwrap_sync()
             return
-        if _current_mode() is self.modes[-1] and not getattr(self.modes[0], "held", 0):
+        # not inside an autograd node: autograd restores the mode stacks after it, and would
+        # put the dispatch mode back on a presence that believes it is aside
+        if (_current_mode() is self.modes[-1] and not getattr(self.modes[0], "held", 0)
+                and _graph_task() == -1):
             self.safe_point()
 
     def safe_point(self) -> None:
@@ -403,6 +424,8 @@ class Presence:
             self._go_aside(reason)
 
     def _go_aside(self, reason: str) -> None:
+        self.pending = None  # also when a trial decides: a stale request would act on re-entry
+        self._unwrap_sync()
         self.engine.flush("step_aside")
         self.deactivate()
         self.aside = True

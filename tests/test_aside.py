@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -486,3 +487,55 @@ def test_traces_that_cannot_fuse_count_as_decided(cache_dir: Path) -> None:
     m = ae.metrics()
     assert m["step_asides"] == 1 and m["compiles"] == 0, m
     assert got == want
+
+
+def _request_aside() -> Any:
+    from adaptive_eager import api
+
+    presence = api._state.presence
+    presence.request_aside("asked for by the test")
+    return presence
+
+
+def test_pending_step_aside_keeps_reads_and_mode_stack_right(cache_dir: Path) -> None:
+    """Review of session 9: with a step-aside pending, ``tolist`` of a real tensor with a pending
+    write must see the write (the read guard knows tolist by identity), and a sync inside an
+    autograd node must not step aside there (autograd puts the mode stack back after it)."""
+    w = torch.zeros(3)
+    with ae.adaptive_eager(backend="replay", cache_dir=cache_dir):
+        _request_aside()
+        w.add_(1)
+        assert w.tolist() == [1.0, 1.0, 1.0]
+    assert not torch._C._len_torch_dispatch_stack()
+    p = torch.randn(4, 4, requires_grad=True)
+    seen: list[float] = []
+    with ae.adaptive_eager(backend="replay", cache_dir=cache_dir, hot_after=7):  # a new engine
+        presence = _request_aside()
+        assert presence.active and not presence.aside
+        p.register_hook(lambda g: seen.append(g.sum().item()))
+        (torch.randn(4, 4) @ p).sum().backward()
+        assert not presence.aside  # not inside the node
+        float(p.sum())  # a sync in plain Python: steps aside now
+        assert presence.aside
+    assert seen and not torch._C._len_torch_dispatch_stack()
+    assert not any(n in torch.Tensor.__dict__ for n in ("item", "__bool__"))
+    before = ae.metrics()["ops_intercepted"]
+    torch.ones(3) * 2
+    assert ae.metrics()["ops_intercepted"] == before
+
+
+def test_sync_wrappers_go_with_a_thread_that_ends(cache_dir: Path) -> None:
+    import gc
+    import threading
+
+    def worker() -> None:
+        with ae.adaptive_eager(backend="replay", cache_dir=cache_dir):
+            _request_aside()
+            assert "item" in torch.Tensor.__dict__
+            torch.ones(2).add(1)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    gc.collect()
+    assert not any(n in torch.Tensor.__dict__ for n in ("item", "__bool__"))
