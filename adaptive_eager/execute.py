@@ -144,32 +144,9 @@ def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> lis
     i = 0
     with ReplayGuard():
         try:
-            for i, (call, pos, simple) in enumerate(plan):
-                _op, args, kwargs, slots = ops[i]
-                if simple:
-                    ra = list(args)
-                    for j in pos:
-                        a = ra[j]
-                        t = type(a)
-                        if t is Slot:
-                            ra[j] = env[a.i]
-                        elif t is LazyTensor:
-                            ra[j] = a._ae_real
-                    rk = kwargs
-                else:
-                    ra = _real(args, env)
-                    rk = {k: _real(v, env) for k, v in kwargs.items()}
-                if grad_ops and i in grad_ops:  # Note [grad-mode kernels] in engine.py
-                    with torch.set_grad_enabled(grad_ops[i]):
-                        res = call(*ra, **rk)
-                elif rk:
-                    res = call(*ra, **rk)
-                else:
-                    res = call(*ra)
-                if type(slots) is int:
-                    env[slots] = res
-                elif slots is not None:
-                    _store(slots, res, env)
+            # the pure-Python path (accel off): one op as the C loop hands it back, per op
+            for i in range(len(plan)):
+                _replay_one(ops, plan, grad_ops, i, env)
                 drop = release.get(i)
                 if drop is not None:
                     for s in drop:
