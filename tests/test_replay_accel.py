@@ -278,15 +278,38 @@ def test_c_replay_leaks_no_references() -> None:
         assert eng is not None
         n0 = _hot.stats()["replayed"]
         watched = (x, y, idx, aten.add.Tensor, aten.add.Tensor._op, SLOTS[3], SLOTS[40],
-                   mode._NO_KWARGS, execute._replay_one, None)
-        ae.wait_for_compiles()  # earlier tests' background work must not run meanwhile
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(100.0)  # nor other threads (None's count is everyone's)
-        try:
-            before, after = _refcounts(watched, loop)
-        finally:
-            sys.setswitchinterval(interval)
+                   mode._NO_KWARGS, execute._replay_one)
+        before, after = _refcounts(watched, loop)
         assert _hot.stats()["replayed"] - n0 >= 20 * 52
-    assert before[:-1] == after[:-1]
-    # None: caches touch it too; one reference per replayed op would move it by >= 1040
-    assert abs(before[-1] - after[-1]) < 50
+    assert before == after
+
+
+_NONE_SCRIPT = """
+import gc, sys, torch, adaptive_eager as ae
+x, y = torch.randn(16), torch.randn(16)
+def loop():
+    z = x
+    for i in range(50):
+        z = torch.add(z, y)
+    torch.split(z, [8, 8])[0].sum()
+with ae.adaptive_eager(backend="replay", step_aside=False, disk_cache=False):
+    for _ in range(3):
+        loop(); ae.sync()
+    gc.collect(); before = sys.getrefcount(None)
+    for _ in range(20):
+        loop(); ae.sync()
+    gc.collect(); after = sys.getrefcount(None)
+print(after - before)
+"""
+
+
+@needs_hot
+def test_c_replay_leaks_no_none_references() -> None:
+    """None's count is the whole process's: in the full suite a cache freed 2027 of them during
+    the measurement, so it is measured in a process of its own. One reference per replayed op
+    (the C loop stores None for unused results and drops) would move it by >= 1000."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _NONE_SCRIPT], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert abs(int(out.stdout.strip().splitlines()[-1])) < 50, out.stdout
