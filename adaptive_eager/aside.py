@@ -410,7 +410,7 @@ class Presence:
             return
         # not inside an autograd node: autograd restores the mode stacks after it, and would
         # put the dispatch mode back on a presence that believes it is aside
-        if (_current_mode() is self.modes[-1] and not getattr(self.modes[0], "held", 0)
+        if (_current_mode() is self.modes[-1] and not self.modes[0].held
                 and _graph_task() == -1):
             self.safe_point()
 

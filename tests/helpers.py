@@ -95,3 +95,19 @@ class GraphProgramBackend:
 
     def load(self, data: bytes, graph: Any) -> Any:
         raise RuntimeError("never stored")
+
+
+def refcounts_around(watched: tuple, run: Callable[[], Any], times: int = 20
+                     ) -> tuple[list, list]:
+    """Reference counts of ``watched`` before and after ``times`` runs of ``run`` (each synced):
+    equal when the engine's paths neither leak nor steal references."""
+    import gc
+    import sys
+
+    gc.collect()
+    before = [sys.getrefcount(o) for o in watched]
+    for _ in range(times):
+        run()
+        ae.sync()
+    gc.collect()
+    return before, [sys.getrefcount(o) for o in watched]

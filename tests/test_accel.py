@@ -27,7 +27,7 @@ from adaptive_eager.dispatch import mode
 from adaptive_eager.dispatch.lazy import CONJ, METAS_BY_ID, NEG, LazyTensor
 from adaptive_eager.engine import Engine, owned_engine
 from adaptive_eager.trace import SLOTS, Slot
-from helpers import assert_equal_tree, to_plain
+from helpers import assert_equal_tree, refcounts_around, to_plain
 
 try:
     from adaptive_eager import _hot
@@ -369,16 +369,7 @@ def test_ops_with_no_tensor_argument_record_in_c() -> None:
     assert_equal_tree(to_plain(got), step())
 
 
-def _refcounts_around(watched: tuple, run: Any, times: int = 20) -> tuple[list, list]:
-    """Reference counts of ``watched`` before and after ``times`` runs of ``run`` (each synced):
-    equal when the recording path neither leaks nor steals references."""
-    gc.collect()
-    before = [sys.getrefcount(o) for o in watched]
-    for _ in range(times):
-        run()
-        ae.sync()
-    gc.collect()
-    return before, [sys.getrefcount(o) for o in watched]
+_refcounts_around = refcounts_around
 
 
 @needs_hot

@@ -6,6 +6,7 @@ so they check the mechanics deterministically, never a machine's speed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -453,10 +454,7 @@ def _lstm_train(steps: int, options: dict | None) -> list[float]:
     params = [*rnn.parameters(), *head.parameters()]
     x, y = torch.randn(5, 3, 8), torch.randint(0, 4, (15,))
     losses = []
-    ctx = ae.adaptive_eager(**options) if options is not None else None
-    if ctx is not None:
-        ctx.__enter__()
-    try:
+    with ae.adaptive_eager(**options) if options is not None else contextlib.nullcontext():
         for _ in range(steps):
             out, _ = rnn(x)
             loss = torch.nn.functional.cross_entropy(head(out).reshape(15, 4), y)
@@ -466,9 +464,6 @@ def _lstm_train(steps: int, options: dict | None) -> list[float]:
                     p.add_(p.grad, alpha=-0.1)
                     p.grad = None
             losses.append(loss.item())
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
     return losses
 
 

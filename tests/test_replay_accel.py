@@ -9,7 +9,6 @@ execute._replay_one.
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ from adaptive_eager import execute
 from adaptive_eager.dispatch import mode
 from adaptive_eager.engine import owned_engine
 from adaptive_eager.trace import SLOTS
-from helpers import assert_equal_tree, to_plain, train_steps
+from helpers import assert_equal_tree, refcounts_around, to_plain, train_steps
 
 try:
     from adaptive_eager import _hot
@@ -246,14 +245,6 @@ def test_store_matches_python_store_for_nested_and_odd_results() -> None:
     assert env_c[1] is None and env_c[3] is None and env_c[0] is not None
 
 
-def _refcounts(watched: tuple, run: Step, times: int = 20) -> tuple[list, list]:
-    gc.collect()
-    before = [sys.getrefcount(o) for o in watched]
-    for _ in range(times):
-        run()
-        ae.sync()
-    gc.collect()
-    return before, [sys.getrefcount(o) for o in watched]
 
 
 @needs_hot
@@ -279,7 +270,7 @@ def test_c_replay_leaks_no_references() -> None:
         n0 = _hot.stats()["replayed"]
         watched = (x, y, idx, aten.add.Tensor, aten.add.Tensor._op, SLOTS[3], SLOTS[40],
                    mode._NO_KWARGS, execute._replay_one)
-        before, after = _refcounts(watched, loop)
+        before, after = refcounts_around(watched, loop)
         assert _hot.stats()["replayed"] - n0 >= 20 * 52
     assert before == after
 
