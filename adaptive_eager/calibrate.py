@@ -4,6 +4,9 @@ The step-aside decision (compiler.step_aside_reason) weighs fusion gains against
 ``record_s`` is the time to record one op beyond eager's own call, ``replay_extra_s`` the time
 op-by-op replay spends per op beyond eager's. Measured on a chain of tiny adds, where the kernel
 time is negligible, in float64 so the calibration's traces live under their own trie root.
+A loop of two-op traces each ended by ``.item()`` measures what a flush costs whatever its
+length: ``flush_s`` (finishing, publishing, the sync) and ``replay_fixed_s`` (op-by-op replay's
+own cost per run), Note [flushes cost too] in compiler.py.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
 
 _N = 200
+_K = 50  # short flushes timed for the per-flush costs
+_SHORT = 2  # ops in each of them
 _done = False
 # The thread's CPU time, not the wall clock: on a loaded machine (load 12 on 2 cores) wall-clock
 # calibration read 7-55 us per recorded op in three processes, enough to tip the estimate into
@@ -32,6 +37,15 @@ def _eager(x: torch.Tensor) -> float:
     start = _clock()
     for _ in range(_N):
         x = x + 1
+    return _clock() - start
+
+
+def _flushes(x: torch.Tensor) -> float:
+    """_K two-op traces (an add and a sum: a one-element tensor's op would run at once, Note
+    [host scalars]), each run by the ``.item()`` after it (plain eager off the engine)."""
+    start = _clock()
+    for _ in range(_K):
+        (x + 1).sum().item()
     return _clock() - start
 
 
@@ -57,9 +71,16 @@ def calibrate(lazy_guard: bool = True) -> None:
     old_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch.float64)
-        record, replay, eager = _measure(lazy_guard)
+        record, replay, eager, flushes, eager_flushes, replay_short = _measure(lazy_guard)
+        op = eager / _N
         compiler.RECORD_S = max(record - eager, 0.0) / _N
         compiler.REPLAY_EXTRA_S = max(replay - eager, 0.0) / _N
+        compiler.EAGER_OP_S = op
+        if replay_short is not None:  # Note [flushes cost too]
+            compiler.REPLAY_FIXED_S = max(replay_short - _SHORT * (op + compiler.REPLAY_EXTRA_S),
+                                          0.0)
+            compiler.FLUSH_S = max((flushes - eager_flushes) / _K - _SHORT * compiler.RECORD_S
+                                   - replay_short, 0.0)
     except Exception:  # a measurement must never stop an engine from starting
         pass
     finally:
@@ -74,17 +95,20 @@ def calibrate(lazy_guard: bool = True) -> None:
         TRIE.entries = len(TRIE.entry_list)
 
 
-def _measure(lazy_guard: bool) -> tuple[float, float, float]:
+def _measure(lazy_guard: bool) -> tuple[float, float, float, float, float, float | None]:
     from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
     from adaptive_eager.engine import Engine
 
     x = torch.zeros(16)
+    x0 = torch.zeros(2)
+    first = len(TRIE.entry_list)
     engine = Engine(Options(backend="replay", step_aside=False, disk_cache=False,
                             lazy_guard=lazy_guard))
     modes = (ReadGuardMode(engine), DeferMode(engine))
-    best_rec = best_rep = best_eager = float("inf")
+    best_rec = best_rep = best_eager = best_fl = best_eager_fl = float("inf")
     for _ in range(3):
         best_eager = min(best_eager, _eager(x))
+        best_eager_fl = min(best_eager_fl, _flushes(x0))
         for m in modes:
             m.__enter__()
         try:
@@ -93,9 +117,14 @@ def _measure(lazy_guard: bool) -> tuple[float, float, float]:
             mid = _clock()
             engine.flush("calibrate")
             end = _clock()
+            fl = _flushes(x0)  # each item() flushes a two-op trace
         finally:
             for m in reversed(modes):
                 m.__exit__(None, None, None)
         best_rec = min(best_rec, mid - start)
         best_rep = min(best_rep, end - mid)
-    return best_rec, best_rep + best_eager, best_eager
+        best_fl = min(best_fl, fl)
+    # the short trace's replay times, as the engine keeps them for every trace
+    short = [t for e in TRIE.entry_list[first:] if e.n_ops == _SHORT for t in e.replay_s]
+    return (best_rec, best_rep + best_eager, best_eager, best_fl, best_eager_fl,
+            min(short) if short else None)

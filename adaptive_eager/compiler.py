@@ -107,6 +107,9 @@ RARE_RATIO = 10  # another trace ran this many times as often there (and as long
 RARE_RECHECK = 64  # flushes a rare verdict is kept before it is counted again
 RECORD_S = 6e-6  # recording cost per op over eager's; measured at start (calibrate.py)
 REPLAY_EXTRA_S = 3e-6  # op-by-op replay's cost per op over eager's; measured at start too
+EAGER_OP_S = 1e-6  # eager's own time for a tiny op (the dispatcher); measured at start too
+FLUSH_S = 20e-6  # a flush's own cost, outside recording and running the trace (calibrate.py)
+REPLAY_FIXED_S = 5e-6  # op-by-op replay's cost per run, whatever its length (calibrate.py)
 NO_REPEAT_FLUSHES = 300  # flushes after which a hit rate under 5% means traces do not repeat
 NO_REPEAT_OPS = 5000  # ops after which mostly-new metadata means shapes never settle
 PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
@@ -1412,18 +1415,44 @@ class CompileManager:
                     "metadata and ran eagerly)")
         if len(self.decided) < MIN_DECISIONS or self._undecided_hot():
             return None
-        engine = eager = 0.0  # one run of every decided trace, each way
-        with STATE_LOCK:
-            decided = list(self.decided)
-        for e in decided:
-            replay = _median(e.replay_s) if e.replay_s else 0.0
-            run = _median(e.fused_s) if e.state == "fused" and e.fused_s else replay
-            engine += run + e.n_ops * RECORD_S
-            eager += max(replay - e.n_ops * REPLAY_EXTRA_S, 0.0)
+        engine, eager = self.round_estimate()
         if engine >= eager:
-            return (f"{len(decided)} traces measured: under the engine a round takes "
+            return (f"{len(self.decided)} traces measured: under the engine a round takes "
                     f"{engine * 1e3:.3f} ms, plain eager about {eager * 1e3:.3f} ms")
         return None
+
+    def round_estimate(self) -> tuple[float, float]:
+        """Seconds for one run of every decided trace under the engine, and under plain eager.
+
+        Note [flushes cost too]
+        Under the engine a trace costs its recording (RECORD_S beyond eager's own call, plus
+        that call's dispatcher time EAGER_OP_S, since recording replaces it and the kernel runs
+        later), its run (fused or op by op), and its flush (FLUSH_S: finishing the trace, its
+        live outputs, publishing them, the sync that asked for it); plain eager costs the op-by-op
+        run less replay's own cost per op (REPLAY_EXTRA_S) and per run (REPLAY_FIXED_S). The
+        per-op terms alone, calibrated on one 200-op flush, missed the per-flush ones: a loop
+        with an ``.item()`` every 4 ops (benchmarks' ``item_loop``) kept its 4-op programs in a
+        warm process at 0.09x eager (about 110 us an iteration against eager's 8), because its
+        12 us programs looked faster than an "eager" of 26-62 us read off replay times that held
+        about 10 us of replay's fixed cost and 70 us of flushing. Op-by-op times come from the
+        runs paired with fused ones (Note [paired timing]) where there are enough: the
+        unpaired samples of a trace that compiled are its first runs (one, while a compile is
+        in flight), the slowest. Eager's side takes the fastest op-by-op run: in a warm process
+        the first op-by-op runs of a loaded program's trace are the first calls of their kernels
+        in the process (86-102 us for that 4-op trace, 21-37 us later), and only the best of the
+        runs is an estimate of eager's own time, as in the calibration."""
+        engine = eager = 0.0
+        with STATE_LOCK:
+            decided = list(self.decided)
+        per_op = RECORD_S + EAGER_OP_S
+        for e in decided:
+            samples = e.paired_s if len(e.paired_s) >= MEASURE_RUNS else e.replay_s
+            replay = _median(samples) if samples else 0.0
+            run = _median(e.fused_s) if e.state == "fused" and e.fused_s else replay
+            engine += run + e.n_ops * per_op + FLUSH_S
+            best = min(min(e.paired_s, default=replay), min(e.replay_s, default=replay))
+            eager += max(best - e.n_ops * REPLAY_EXTRA_S - REPLAY_FIXED_S, 0.0)
+        return engine, eager
 
     def compiling(self) -> bool:
         """Whether a compile or a load is still running in the background."""
