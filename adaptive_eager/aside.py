@@ -22,8 +22,8 @@ the median of the pairs' ratios (engine round / the eager round after it) is und
 mis-decided on a loaded machine, where load changes over seconds: mid-size Llama kept an engine
 that ran 0.73x eager (issue 13); alternating rounds see the same load, as Note [paired timing]
 does for keep decisions. A round is the time between two ticks: the ends of optimizer steps,
-or, in programs without an optimizer, the ends of outermost ``nn.Module`` calls. Programs with
-neither have no rounds and keep the estimate alone. A probe after ``probe_every`` rounds aside
+or, in programs without an optimizer, the ends of outermost ``nn.Module`` calls, contexts, or
+syncs (Note [syncs are rounds]). A probe after ``probe_every`` rounds aside
 starts the question over, and so does a new keep/drop decision after a verdict for the engine
 (the engine the trial timed is not the engine that runs any more).
 
@@ -50,8 +50,21 @@ While a compile is in flight the engine replays its traces op by op, which is sl
 (every op pays recording and replay on top of its kernel), and recording teaches nothing more:
 the trace is already hot and submitted. So at the end of a round with a compile in flight the
 engine steps aside, runs plain eager, and comes back at the first round end after the compiles
-finished, to pick up and time the programs. Rounds, as in the trial, are optimizer steps or
-outermost module calls; a program with neither replays while it waits.
+finished, to pick up and time the programs. Rounds, as in the trial, are optimizer steps,
+outermost module calls, contexts or syncs; a program with none of them replays while it waits.
+
+Note [syncs are rounds]
+A program with no optimizer, no module call and a single context (a solver loop reading
+``.item()`` every iteration) had no rounds: no waiting aside while its first compile ran (20-30 s
+with a cold compile service here, every iteration at 10x eager's time: a 2-second script ran
+all of it that way), no trial, no probe. Its syncs are the next best ticks: once SYNC_ROUNDS_AFTER
+flushes went by with no round of another kind, or when it steps aside with none, the sync
+methods are wrapped as for a pending
+step-aside (Note [sync points are safe points]) and every SYNC_ROUND-th sync of the thread
+inside the context ends a round, at the same safe point (not in a handler, not in an autograd
+node). The wrappers stay while the engine is aside (about 0.3 us per sync, the price of coming
+back); between contexts they are off. Any other kind of round (an optimizer step, an outermost
+module call, a second context) replaces them, and the wrappers come off.
 
 Note [root ticks]
 Outermost module calls are found with global module hooks, and any global module hook sends
@@ -113,6 +126,8 @@ TRIAL_TICKS = 8  # rounds timed each way in a trial
 TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
 PROBE_BACKOFF_MAX = 5  # probes in vain double the interval at most this often (Note [probes back off])
 MAX_ROOTS = 4  # outermost modules remembered for ticks while the engine is off (Note [root ticks])
+SYNC_ROUND = 16  # syncs a round of a program whose rounds are syncs (Note [syncs are rounds])
+SYNC_ROUNDS_AFTER = 64  # flushes with no round of another kind before syncs become rounds
 _DYNAMO_FILE = "<adaptive_eager.aside: engine hook>"  # off Dynamo's skip list
 
 
@@ -206,7 +221,8 @@ def _dropped(ref: Any) -> None:
                     for name, fn in _SYNC_WRAPPERS.items():
                         if torch.Tensor.__dict__.get(name) is fn:
                             delattr(torch.Tensor, name)
-_PENDING: dict[int, Any] = {}  # thread -> weak reference to its presence, step-aside pending
+# thread -> weak reference to its presence, step-aside pending or syncs its rounds
+_PENDING: dict[int, Any] = {}
 
 
 def _wrap_sync_methods(presence: Any, on: bool) -> None:
@@ -313,6 +329,7 @@ class Presence:
         self.probes_in_vain = 0  # probes that ended aside again (Note [probes back off])
         self.generation = 0  # api.py's clear_caches() generation this presence serves
         self._sync_wrapped = False  # Note [sync points are safe points]
+        self._syncs = 0  # syncs since the last sync round (Note [syncs are rounds])
 
     def activate(self) -> None:
         if not self.active:
@@ -322,7 +339,7 @@ class Presence:
             opts = self.engine.options
             if (opts.step_flush or opts.step_aside) and self._step_hook is None:
                 self._step_hook = _StepHook.add(self)
-            if opts.step_aside and self.ticks_from in (None, "forward"):
+            if opts.step_aside and self.ticks_from in (None, "forward", "sync"):
                 self._install_tick_hooks()  # rounds of programs without an optimizer
 
     def deactivate(self) -> None:
@@ -344,19 +361,21 @@ class Presence:
         self.in_context = True
         opts = self.engine.options
         ticks = self.ticks_from  # Note [cheap contexts] in api.py: "context" is the common case
-        if (ticks is None or ticks == "forward") and self.contexts > 1 and opts.step_aside \
-                and self.calls_in_context <= 1:
-            if ticks == "forward" and self.trial is not None:
+        if (ticks is None or ticks == "forward" or ticks == "sync") and self.contexts > 1 \
+                and opts.step_aside and self.calls_in_context <= 1:
+            if ticks is not None and self.trial is not None:
                 self._time_anew()  # rounds change meaning
-            ticks = self.ticks_from = "context"
+            ticks = self._ticks_now("context")
             self._remove_tick_hooks()
         self.calls_in_context = 0
+        if ticks == "sync" and opts.step_aside:
+            _wrap_sync_methods(self, True)  # off between contexts (leave)
         if not (self.aside or self.waiting or self.trial == "eager"):  # wants_modes()
             self.activate()  # also installs the step hook and, where they are rounds, tick hooks
         else:
             if self._step_hook is None and (opts.step_flush or opts.step_aside):
                 self._step_hook = _StepHook.add(self)  # counts optimizer steps while aside
-            if (ticks is None or ticks == "forward") and opts.step_aside:
+            if (ticks is None or ticks == "forward" or ticks == "sync") and opts.step_aside:
                 self._install_tick_hooks()
         if self.pending is not None:
             self._install_hooks()
@@ -371,6 +390,8 @@ class Presence:
                 self.safe_point()
         finally:
             self.in_context = False  # the step hook stays registered (see _StepHook)
+            if self._sync_wrapped and self.pending is None:
+                _wrap_sync_methods(self, False)  # sync rounds count inside contexts only
             if self._tick_hooks:
                 self._remove_tick_hooks()
             if self.active:
@@ -380,7 +401,8 @@ class Presence:
 
     def close(self) -> None:
         self.in_context = False
-        self._unwrap_sync()
+        if self._sync_wrapped:
+            _wrap_sync_methods(self, False)
         self._remove_tick_hooks()
         self.deactivate()
         self._remove_hooks()
@@ -400,18 +422,46 @@ class Presence:
             _wrap_sync_methods(self, True)
 
     def _unwrap_sync(self) -> None:
-        if self._sync_wrapped:
+        if self._sync_wrapped and self.ticks_from != "sync":  # Note [syncs are rounds]
             _wrap_sync_methods(self, False)
 
+    def _ticks_now(self, kind: str) -> str:
+        """Rounds come from ``kind`` from now on; sync rounds end (Note [syncs are rounds])."""
+        was, self.ticks_from = self.ticks_from, kind
+        if was == "sync" and self.pending is None:
+            self._unwrap_sync()
+        return kind
+
+    def consider_sync_rounds(self, after: int = SYNC_ROUNDS_AFTER) -> None:
+        """At every 32nd flush, and when stepping aside (``after`` 0): syncs become the rounds
+        of a program that has no other kind (Note [syncs are rounds])."""
+        if (self.ticks_from is None and self.in_context and self.engine.options.step_aside
+                and self.engine.compiler.flushes >= after):
+            self.ticks_from = "sync"
+            self._syncs = 0
+            _wrap_sync_methods(self, True)
+
+    def _plain_python_here(self) -> bool:
+        """In the engine's thread, outside its handlers and outside any autograd node
+        (autograd restores the mode stacks after a node, and would put the dispatch mode back
+        on a presence that believes it is aside)."""
+        if _graph_task() != -1 or threading.get_ident() != self.thread or self.engine.flushing:
+            return False
+        return not self.active or (_current_mode() is self.modes[-1] and not self.modes[0].held)
+
     def sync_point(self) -> None:
-        """After a sync method returned a value (Note [sync points are safe points])."""
+        """After a sync method returned a value (Notes [sync points are safe points], [syncs
+        are rounds])."""
+        if self.ticks_from == "sync" and self.in_context:
+            self._syncs += 1
+            if self._syncs >= SYNC_ROUND and self._plain_python_here():
+                self._syncs = 0
+                self._round_ended()  # acts on a pending step-aside too
+                return
         if self.pending is None:
             self._unwrap_sync()
             return
-        # not inside an autograd node: autograd restores the mode stacks after it, and would
-        # put the dispatch mode back on a presence that believes it is aside
-        if (_current_mode() is self.modes[-1] and not self.modes[0].held
-                and _graph_task() == -1):
+        if self.active and self._plain_python_here():
             self.safe_point()
 
     def safe_point(self) -> None:
@@ -428,6 +478,7 @@ class Presence:
         self._unwrap_sync()
         self.engine.flush("step_aside")
         self.deactivate()
+        self.consider_sync_rounds(0)  # no rounds yet: no probe without them
         self.aside = True
         self.steps_aside = 0
         M.step_asides += 1
@@ -463,7 +514,7 @@ class Presence:
         if self.ticks_from != "step":
             if self.trial is not None:
                 self._time_anew()  # rounds change meaning
-            self.ticks_from = "step"
+            self._ticks_now("step")
             self._remove_tick_hooks()  # optimizer steps are the rounds from now on
         self._round_ended()
         if self._hooks and self.pending is None:
@@ -592,7 +643,11 @@ class Presence:
         if self._depth <= 0:  # hooks installed mid-call: this call was never counted
             return
         self._depth -= 1
-        if self._depth == 0 and self.ticks_from in (None, "forward"):
+        if self._depth == 0 and self.ticks_from in (None, "forward", "sync"):
+            if self.ticks_from == "sync":
+                if self.trial is not None:
+                    self._time_anew()  # rounds change meaning
+                self._ticks_now("forward")
             self.ticks_from = "forward"
             self.calls_in_context += 1
             roots = self._roots

@@ -609,6 +609,7 @@ class Engine:
 
     def _consider_step_aside(self) -> None:
         try:
+            self.presence.consider_sync_rounds()  # Note [syncs are rounds] in aside.py
             reason = self.compiler.step_aside_reason()
             if reason is not None:
                 self.presence.request_aside(reason)
