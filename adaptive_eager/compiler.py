@@ -989,7 +989,7 @@ class CompileManager:
             with STATE_LOCK:
                 entry.state = "replay"
                 entry.decision = "op-by-op: symbolic sizes (no dynamic-size program yet)"
-                self.decided.append(entry)
+                self._mark_decided(entry)
 
     def _rebake(self, entry: TraceEntry, g: graph_mod.TraceGraph, scalars: list[Any]) -> None:
         """A number compiled in as a constant changed: it varies after all. Mark it and compile
@@ -1371,7 +1371,7 @@ class CompileManager:
         fused = _median(entry.fused_s)
         paired = entry.paired_s if len(entry.paired_s) >= MEASURE_RUNS else entry.replay_s
         replay = _median(paired) if paired else float("inf")
-        self.decided.append(entry)
+        self._mark_decided(entry)
         self._remeasure.discard(entry.digest)
         # Note [ranks agree]: the first rank to measure decides for all
         if distributed.agree_keep(self, entry, fused <= KEEP_RATIO * replay):
@@ -1527,6 +1527,13 @@ class CompileManager:
         if self.disk is not None:
             self.disk.quarantine(entry.digest, why)
 
+    def _mark_decided(self, entry: TraceEntry) -> None:
+        """Every append to ``decided`` goes here: an entry decided twice (a re-measure, a failure
+        after a decision) is weighed once in the step-aside estimate. By identity: entries are
+        not compared by value."""
+        if not any(e is entry for e in self.decided):
+            self.decided.append(entry)
+
     def _fail(self, entry: TraceEntry, stage: str, err: BaseException) -> None:
         entry.state = "failed"
         entry.program = None
@@ -1534,8 +1541,8 @@ class CompileManager:
         # the step-aside estimate weighs it as a decided trace. Left out, a program whose every
         # hot trace was declined (an LSTM language model: mkldnn_rnn_layer) had no decision,
         # hence no estimate and no trial, and replayed at 0.63x eager forever.
-        if entry.replay_s and not any(e is entry for e in self.decided):
-            self.decided.append(entry)
+        if entry.replay_s:
+            self._mark_decided(entry)
         entry.error = f"{stage}: {type(err).__name__}: {err}"[:500]
         transient = _transient(err)
         entry.decision = f"op-by-op: {stage} failed" + (" (transient)" if transient else "")
@@ -1623,7 +1630,7 @@ class CompileManager:
             entry.decision = stats["decision"] + " (earlier run)"
             if stats.get("replay_ms"):  # counts for stepping aside (failed ones too: Note
                 entry.replay_s = [stats["replay_ms"] / 1e3]  # [failed means decided])
-                self.decided.append(entry)
+                self._mark_decided(entry)
                 if stats.get("fused_ms"):
                     entry.fused_s = [stats["fused_ms"] / 1e3]
                     # this process re-measures if its own op-by-op time disagrees
