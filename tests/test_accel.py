@@ -36,6 +36,10 @@ except ImportError:  # no compiler where it was installed: the Python path runs
 
 needs_hot = pytest.mark.skipif(_hot is None, reason="adaptive_eager._hot (the C accelerator) "
                                "is not built: pip install -e . with a C compiler builds it")
+# ADAPTIVE_EAGER_ACCEL=0 runs every op on the Python path: the tests that assert the C path's own
+# statistics (ops recorded in C, references it holds) have nothing to read there and skip
+needs_accel_on = pytest.mark.skipif(not config.resolve().accel, reason="ADAPTIVE_EAGER_ACCEL=0: "
+                                    "the C path is off, its statistics stay zero")
 aten = torch.ops.aten
 
 
@@ -331,6 +335,7 @@ def test_c_and_python_paths_record_the_same_traces(name: str,
 
 
 @needs_hot
+@needs_accel_on
 def test_most_ops_of_a_known_chain_record_in_c() -> None:
     step = add_chain()
     with ae.adaptive_eager(backend="replay", step_aside=False):
@@ -347,6 +352,7 @@ def test_most_ops_of_a_known_chain_record_in_c() -> None:
 
 
 @needs_hot
+@needs_accel_on
 def test_ops_with_no_tensor_argument_record_in_c() -> None:
     """Factory ops (no tensor argument: not host-scalar ops, mode.is_host_scalar_op) on a known
     trace are recorded in C like any trie hit."""
@@ -373,6 +379,7 @@ _refcounts_around = refcounts_around
 
 
 @needs_hot
+@needs_accel_on
 def test_dropped_lazy_tensors_die_and_references_are_not_leaked() -> None:
     """The engine reads liveness from weak references: outputs made in C must die when the
     user drops them, and recording must not leak references to anything it touches."""
@@ -567,6 +574,7 @@ def test_c_and_python_paths_record_the_same_template_steps(
 
 
 @needs_hot
+@needs_accel_on
 def test_template_steps_are_taken_in_c_once_memoised() -> None:
     """The anchor fills the memo for a new s (Note [template memo at a new size] in
     shapes.py): the first run at an s and every later one take each template step after the
@@ -674,6 +682,7 @@ def test_a_template_that_dies_mid_trace_goes_to_python(monkeypatch: pytest.Monke
 
 
 @needs_hot
+@needs_accel_on
 def test_template_steps_in_c_leak_no_references() -> None:
     """Template steps in C take and drop references to the template, its nodes, memo and
     memoised metadata: counts are the same after 20 more traces at a memoised s."""
@@ -990,6 +999,7 @@ def test_meta_order_is_the_python_paths(tmp_path: Any) -> None:
 
 
 @needs_hot
+@needs_accel_on
 def test_first_uses_in_c_leak_no_references() -> None:
     """Numbering in C takes and drops references to the tensors, their storages' addresses,
     metadata and the engine: counts are unchanged after 20 more traces."""
@@ -1070,6 +1080,7 @@ def test_attention_without_dropout_and_dtype_copies_record_in_c(
 
 
 @needs_hot
+@needs_accel_on
 def test_the_policy_object_is_not_leaked() -> None:
     """The policy read for each op recorded in C is released (review of session 8: one reference
     to ``opspec.DEFER`` leaked per op; harmless for a small int, a leak all the same)."""
