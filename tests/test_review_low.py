@@ -31,3 +31,27 @@ def test_deciding_an_entry_twice_counts_it_once() -> None:
     other = _entry()
     mgr._decide(other)  # type: ignore[arg-type]
     assert len(mgr.decided) == 2
+
+
+def test_a_storage_method_with_nothing_pending_is_no_fallback() -> None:
+    # regions.storage_call counted a fallback for every storage method run under the engine,
+    # even with no pending trace to cut short
+    import torch
+
+    import adaptive_eager as ae
+    from adaptive_eager.metrics import METRICS as M
+
+    x = torch.randn(8)
+    storage = x.untyped_storage()
+    with ae.adaptive_eager(backend="replay", step_aside=False):
+        for _ in range(2):  # the first run of an op runs eagerly: learn x + 1
+            (x + 1).clone()
+            ae.sync()
+        before = M.fallback_ops["storage method"]
+        storage.fill_(0)  # nothing pending: no flush, no fallback
+        assert M.fallback_ops["storage method"] == before
+        y = x + 1  # pending, reads x
+        storage.fill_(0)  # flushes the pending trace first: a fallback
+        assert M.fallback_ops["storage method"] == before + 1
+        y = y.clone()
+    assert torch.equal(x, torch.zeros(8)) and torch.equal(y, torch.ones(8))

@@ -366,8 +366,10 @@ def storage_call(fn: Callable[..., Any]) -> Callable[..., Any]:
             if engine is not None:
                 if engine.trace.ops and not engine.busy and not engine.flushing:
                     engine.flush("storage")
-                M.fallbacks += 1
-                M.fallback_ops["storage method"] += 1
+                    # a fallback only where a pending trace was cut short for it: a storage
+                    # method with nothing pending costs the engine nothing
+                    M.fallbacks += 1
+                    M.fallback_ops["storage method"] += 1
                 with engine_modes_off():
                     return fn(self, *args, **kwargs)
         return fn(self, *args, **kwargs)
