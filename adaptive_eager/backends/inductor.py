@@ -82,7 +82,9 @@ class InductorBackend:
                 # the outputs' example values, and a graph with no tensor output (in-place
                 # writes only) got a fresh ShapeEnv whose first unbacked float was zuf0 again
                 # ("possible memo disaster" in rebind_unbacked; helper C's finding, session 8)
-                mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
+                mode = next((f.fake_mode for f in fakes if hasattr(f, "fake_mode")), None)
+                if mode is None:  # a bare StopIteration would escape the generator context
+                    raise RuntimeError("a dynamic-size graph without tensor inputs")
                 with torch._guards.tracing(torch._guards.TracingContext(mode)):
                     program = torch._inductor.standalone_compile(
                         graph.gm, fakes, dynamic_shapes="from_tracing_context",
