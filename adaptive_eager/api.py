@@ -208,7 +208,12 @@ class EngineContext:
                 if ((engine.options is not options and engine.options != options)
                         or _OWNED.engine is not engine or engine.trace.ops):
                     presence = _new_presence(options)
-            presence.enter()  # pushes the modes unless this thread runs aside
+            if presence.quiet:  # Note [quiet contexts] in aside.py: aside, only counted
+                presence.contexts += 1
+                presence.in_context = True
+                presence.calls_in_context = 0
+            else:
+                presence.enter()  # pushes the modes unless this thread runs aside
             st.engine, st.presence = presence.engine, presence
             self._outer = self._outer << 1 | 1
         else:
@@ -223,6 +228,20 @@ class EngineContext:
             raise RuntimeError("adaptive_eager: a context left more often than entered")
         self._outer = bits >> 1
         presence = st.presence  # set and cleared with st.engine, one thread-local read less
+        if bits & 1 and presence is not None and presence.quiet:
+            # Note [quiet contexts] in aside.py: nothing was recorded (the engine is off), so
+            # the flush and the round end would only count; a due probe takes the full path
+            rounds = presence.steps_aside + 1
+            tr = presence.engine.trace
+            if (rounds < presence.quiet_until and not tr.ops and not tr.ext
+                    and tr.node is tr.start and presence is st.standing):
+                presence.steps_aside = rounds
+                presence.in_context = False
+                st.engine, st.presence = None, None
+                quiet = _run_log_quiet
+                if quiet[0] is not self.options or _monotonic() >= quiet[1]:
+                    _run_log_due(self.options)
+                return
         engine = presence.engine if presence is not None else st.engine
         try:
             if engine is not None:
