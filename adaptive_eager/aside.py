@@ -33,7 +33,10 @@ new traces may compile. In ``generate()`` (a round per token) a probe every 2000
 about 60 tokens at 3-5x eager's time, over 10% of the time aside. So each probe that ends aside
 again doubles the rounds before the next one (up to PROBE_BACKOFF_MAX doublings); a verdict for
 the engine resets the interval to ``probe_every``. Over N rounds aside the probes then cost
-O(log N) probes instead of N / probe_every.
+O(log N) probes instead of N / probe_every. A probe also ends after PROBE_ROUNDS rounds with
+fewer than PROBE_FLUSHES flushes: rounds that record nothing (``with adaptive_eager(): pass``,
+a loop of contexts around Python-only work) never reached the flush-counted end, so the engine
+stayed on for good at 4-6 us a context instead of the 1 us of a quiet one (Note [quiet contexts]).
 
 Note [contexts are rounds]
 A program may wrap each call of a small function in ``with adaptive_eager():`` and never call a
@@ -126,6 +129,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from adaptive_eager import compiler as compiler_mod
 from adaptive_eager.compiler import _median
 from adaptive_eager.dispatch.lazy import LazyTensor, become_real
 from adaptive_eager.metrics import METRICS as M
@@ -136,6 +140,7 @@ TRIAL_TICKS = 8  # rounds timed each way in a trial
 TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
 PROBE_BACKOFF_MAX = 5  # probes in vain double the interval at most this often (Note [probes back off])
 MAX_ROOTS = 4  # outermost modules remembered for ticks while the engine is off (Note [root ticks])
+PROBE_ROUNDS = 200  # a probe that flushed less than PROBE_FLUSHES times ends here too
 SYNC_ROUND = 16  # syncs a round of a program whose rounds are syncs (Note [syncs are rounds])
 SYNC_ROUNDS_AFTER = 64  # flushes with no round of another kind before syncs become rounds
 _DYNAMO_FILE = "<adaptive_eager.aside: engine hook>"  # off Dynamo's skip list
@@ -337,6 +342,7 @@ class Presence:
         self.asides_said = 0
         self.probing = False  # back in the engine for a probe, no verdict yet
         self.probes_in_vain = 0  # probes that ended aside again (Note [probes back off])
+        self.probe_rounds = 0  # rounds of the current probe (Note [probes back off])
         self.generation = 0  # api.py's clear_caches() generation this presence serves
         self._sync_wrapped = False  # Note [sync points are safe points]
         self._syncs = 0  # syncs since the last sync round (Note [syncs are rounds])
@@ -576,6 +582,7 @@ class Presence:
             if every and self.steps_aside >= every:
                 self.aside = False
                 self.probing = True
+                self.probe_rounds = 0
                 self.verdict = None
                 self.engine.compiler.new_probe()
                 self.activate()
@@ -590,6 +597,14 @@ class Presence:
             self.steps_aside = 0
             M.compile_waits += 1
             log.info("adaptive_eager: plain eager while compiling")
+        elif self.probing and self.trial is None and self.pending is None and self.active:
+            self.probe_rounds += 1
+            compiler = self.engine.compiler
+            if (self.probe_rounds >= PROBE_ROUNDS and compiler.probe_start is not None
+                    and compiler.flushes - compiler.probe_start < compiler_mod.PROBE_FLUSHES):
+                # Note [probes back off]: rounds that record nothing end a probe too
+                self._go_aside(f"a probe of {self.probe_rounds} rounds flushed "
+                               f"{compiler.flushes - compiler.probe_start} times")
         else:
             self.safe_point()
 

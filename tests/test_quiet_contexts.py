@@ -163,3 +163,38 @@ def test_nested_contexts_while_quiet(cache_dir: Path, graph_backend: object,
         z = y + 1
     assert not ae.is_enabled()
     assert torch.equal(z, x * 3 + 1)
+
+
+def test_a_probe_of_contexts_that_record_nothing_ends(aside_soon: None, cache_dir: Path,
+                                                      graph_backend: object,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [probes back off]: a probe among contexts with no op (no flush) ends after
+    PROBE_ROUNDS rounds; it used to keep the engine on for good."""
+    from adaptive_eager import aside
+
+    monkeypatch.setattr(aside, "PROBE_ROUNDS", 30)
+    _fresh()
+    options = _options(cache_dir, graph_backend, probe_every=10)
+    outs, per_call, _ = _run(30, options)
+    _same(outs, _eager(30))
+    presence = api._state.standing
+    x, w = torch.randn(8), torch.randn(8)
+    for _ in range(100):  # contexts with ops until this one ends aside (a probe may be on)
+        if presence.aside:
+            break
+        with ae.adaptive_eager(**options):
+            _small(x, w)
+    assert presence.aside, per_call
+    asides = ae.metrics()["step_asides"]
+    states = []
+    for _ in range(200):  # a probe starts after 10 empty contexts, ends 30 later
+        with ae.adaptive_eager(**options):
+            pass
+        states.append(presence.aside)
+    assert ae.metrics()["step_asides"] > asides, states
+    assert states[-1] or not all(states[-30:]), states
+    first_probe = states.index(False)
+    assert first_probe <= 20 and all(states[first_probe + 31:first_probe + 40]), states
+    # and the calls after it still give eager's results
+    outs, _, _ = _run(5, options)
+    _same(outs, _eager(5))
