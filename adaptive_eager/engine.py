@@ -30,7 +30,7 @@ from adaptive_eager.execute import live_slots, poison, publish, replay
 from adaptive_eager.fused import run_fused
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import SLOTS, Trace, Unsupported, _storage, slot_marker
+from adaptive_eager.trace import SLOTS, Trace, Unsupported, _storage, loop_period, slot_marker
 from adaptive_eager.shapes import _MISSING as _SYM_MISS, configure as configure_shapes
 from adaptive_eager.shapes import note_hit as sym_note_hit, predict as sym_predict
 from adaptive_eager.shapes import replay_checked, step as sym_step
@@ -346,6 +346,9 @@ class Engine:
         finally:
             self.busy = False
         if n_op + 1 >= self.cap:
+            most = self.options.max_trace_ops  # Note [cap at the loop's period] in trace.py
+            period = loop_period(tr.ops, most // 2)
+            self.cap = most // period * period if period else most
             self.flush("trace_cap")
         return out
 

@@ -112,3 +112,33 @@ class Trace:
     def leave_trie(self) -> None:
         self.off_node = self.node
         self.node = None
+
+
+def loop_period(ops: list, most: int) -> int:
+    """The op sequence's period at its end: the smallest P <= ``most`` whose last two to three
+    periods repeat op for op (the overloads only), or 0 when it has none.
+
+    Note [cap at the loop's period]
+    A loop in one long context with no sync, no module call and no optimizer step (a simulation,
+    ``tiny_ops`` run under ``ADAPTIVE_EAGER=1``) is cut only by the trace cap. When the loop's
+    period P does not divide the cap, every cut starts the next trace at another phase of the
+    loop: 4096 ops of a 200-op loop make 25 different traces, each compiled once it is hot (12
+    compiles of 4096 ops were in flight after 2 minutes) and hit once in 25 flushes. At a cap
+    flush the engine takes the cap down to the largest multiple of P (4000): from the second
+    trace on, every trace starts at the same phase and is the same trace. Where the cut falls
+    changes no result (a flush is valid anywhere); a wrong P only moves it."""
+    n = len(ops)
+    last = ops[-1][0] if n else None
+    tried = 0
+    for p in range(1, min(most, n // 2) + 1):
+        if ops[n - 1 - p][0] is not last:
+            continue
+        for i in range(n - 1, max(p, n - 3 * p) - 1, -1):  # from the end: a miss shows early
+            if ops[i][0] is not ops[i - p][0]:
+                break
+        else:
+            return p
+        tried += 1
+        if tried >= 64:  # candidates are positions of the last op; a few suffice
+            break
+    return 0
