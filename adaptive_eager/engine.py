@@ -492,6 +492,8 @@ class Engine:
             self.trace.after_warmup = reason.startswith("new_op:")
             self.flushing += 1
             self.ext_writes = False
+            if self.guard is not None and self.guard.pushed:
+                self.guard.sync()  # disarm before the run (Note [guard off while a trace runs], mode.py)
             try:
                 self._run_trace(tr, True)
             finally:
