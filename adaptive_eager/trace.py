@@ -27,6 +27,7 @@ class Slot:
 
 
 SLOTS: list[Slot] = [Slot(i) for i in range(8192)]  # shared markers: no allocation per op
+COMPARE_BUDGET = 50_000  # op comparisons loop_period may make at one cap flush
 
 
 def slot_marker(i: int) -> Slot:
@@ -114,31 +115,55 @@ class Trace:
         self.node = None
 
 
+
+def _same_step(a: tuple, b: tuple) -> bool:
+    """Two recorded ops alike for loop_period: one overload, pending (Slot) arguments at the
+    same places. The places tell a loop's first iteration (reading an outside tensor) from the
+    later ones (reading the previous iteration's output)."""
+    if a[0] is not b[0]:
+        return False
+    ma, mb = a[1], b[1]
+    if len(ma) != len(mb):
+        return False
+    for x, y in zip(ma, mb):
+        if (type(x) is Slot) is not (type(y) is Slot):
+            return False
+    return True
+
+
 def loop_period(ops: list, most: int) -> int:
-    """The op sequence's period at its end: the smallest P <= ``most`` whose last two to three
-    periods repeat op for op (the overloads only), or 0 when it has none.
+    """The sequence's period: the smallest P <= ``most`` such that every op from the second
+    period on repeats the op P before it (overload, and where its arguments are pending), or 0.
+    The first period is left out: a trace that starts mid-loop reads from outside there what
+    the loop later reads from itself.
 
     Note [cap at the loop's period]
     A loop in one long context with no sync, no module call and no optimizer step (a simulation,
     ``tiny_ops`` run under ``ADAPTIVE_EAGER=1``) is cut only by the trace cap. When the loop's
     period P does not divide the cap, every cut starts the next trace at another phase of the
-    loop: 4096 ops of a 200-op loop make 25 different traces, each compiled once it is hot (12
+    loop: 4096 ops of a 200-op step make 25 different traces, each compiled once it is hot (12
     compiles of 4096 ops were in flight after 2 minutes) and hit once in 25 flushes. At a cap
     flush the engine takes the cap down to the largest multiple of P (4000): from the second
-    trace on, every trace starts at the same phase and is the same trace. Where the cut falls
-    changes no result (a flush is valid anywhere); a wrong P only moves it."""
+    trace on, every trace starts at the same phase and is the same trace. The period is that of
+    the whole step, not of its inner loop: 40 iterations of 5 ops look 5-periodic by overloads
+    alone, but the first iteration reads the step's input from outside (a cap of 4095 made 40
+    phases). Where the cut falls changes no result (a flush is valid anywhere); a wrong P only
+    moves it. Comparisons are bounded (COMPARE_BUDGET) at each cap flush."""
     n = len(ops)
-    last = ops[-1][0] if n else None
-    tried = 0
-    for p in range(1, min(most, n // 2) + 1):
-        if ops[n - 1 - p][0] is not last:
+    if n < 2:
+        return 0
+    end = ops[-1]
+    budget = COMPARE_BUDGET
+    for p in range(1, min(most, n // 3) + 1):
+        budget -= 1
+        if budget <= 0:
+            return 0
+        if not _same_step(ops[n - 1 - p], end):
             continue
-        for i in range(n - 1, max(p, n - 3 * p) - 1, -1):  # from the end: a miss shows early
-            if ops[i][0] is not ops[i - p][0]:
+        for i in range(n - 2, 2 * p - 1, -1):  # from the end: a wrong P fails within a period
+            budget -= 1
+            if not _same_step(ops[i], ops[i - p]):
                 break
         else:
             return p
-        tried += 1
-        if tried >= 64:  # candidates are positions of the last op; a few suffice
-            break
     return 0

@@ -7,7 +7,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import api
-from adaptive_eager.trace import loop_period
+from adaptive_eager.trace import SLOTS, Slot, loop_period
 
 
 def _loop(steps: int) -> list[torch.Tensor]:
@@ -43,8 +43,8 @@ def test_cap_flushes_repeat_one_trace(cache_dir: object, monkeypatch: pytest.Mon
 
 
 def test_loop_period() -> None:
-    def ops(seq: str) -> list[tuple[str]]:
-        return [(c,) for c in seq]
+    def ops(seq: str) -> list[tuple[str, tuple]]:
+        return [(c, ()) for c in seq]
 
     assert loop_period(ops("abc" * 10), 100) == 3
     assert loop_period(ops("xy" + "abcd" * 5 + "a"), 100) == 4  # a prefix, a partial period
@@ -53,3 +53,20 @@ def test_loop_period() -> None:
     assert loop_period(ops("abcd"), 100) == 0  # one period is no loop
     assert loop_period(ops("abc" * 10), 2) == 0  # longer than allowed
     assert loop_period([], 10) == 0
+
+
+def test_loop_period_is_the_steps_not_the_inner_loops() -> None:
+    """A step of 40 iterations of 5 ops whose first iteration reads the step's input from
+    outside: by overloads alone it looks 5-periodic (a cap of 4095 made 40 phases)."""
+    outside = torch.zeros(1)
+    step: list[tuple] = []
+    for it in range(40):
+        y = outside if it == 0 else SLOTS[1]
+        step += [("mul", (y, 0.9)), ("add", (SLOTS[2], outside)), ("tanh", (SLOTS[3],)),
+                 ("mul", (y, 0.1)), ("sub", (SLOTS[4], SLOTS[5]))]
+    for start in (0, 96, 150):  # a trace may start mid-step: its first ops read from outside
+        trace = (step * 22)[start:start + 4096]
+        trace[:3] = [(op, tuple(outside if type(a) is Slot else a for a in margs))
+                     for op, margs in trace[:3]]
+        assert loop_period(trace, 2048) == 200, start
+    assert loop_period([("setup", ())] * 7 + (step * 21)[:4089], 2048) == 200  # a prefix
