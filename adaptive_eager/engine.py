@@ -575,7 +575,8 @@ class Engine:
                 env = replay(tr, live, self.check, entry)
             else:  # predicted metadata is checked once per size (Note [symbolic dims])
                 env = replay_checked(tr, live, self.check, entry)
-        mgr.record_replay(entry, time.perf_counter() - start)
+        mgr.record_replay(entry, time.perf_counter() - start,
+                          tr.sym.s if entry.sym is not None and tr.sym is not None else 0)
         M.replayed_runs += 1
         return env
 

@@ -52,7 +52,8 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
         # they were: replaying is safe.
         mgr.fused_failed(entry, err)
         return None
-    mgr.record_fused(entry, time.perf_counter() - start)
+    mgr.record_fused(entry, time.perf_counter() - start,
+                     tr.sym.s if entry.sym is not None and tr.sym is not None else 0)
     M.compiled_runs += 1
     M.ops_fused += len(tr.ops)
     env: list[Any] = [None] * tr.n_slots

@@ -18,7 +18,8 @@ def _bare_manager() -> compiler.CompileManager:
 def _entry() -> SimpleNamespace:
     return SimpleNamespace(digest="d" * 40, runs=9, state="measuring", n_ops=3,
                            fused_s=[1e-5] * 3, paired_s=[2e-5] * 3, replay_s=[2e-5],
-                           program=object(), decision="", error="")
+                           program=object(), decision="", error="", sym=None,
+                           fused_n=[0] * 3, paired_n=[0] * 3)
 
 
 def test_deciding_an_entry_twice_counts_it_once() -> None:

@@ -56,7 +56,7 @@ class TraceEntry:
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
                  "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
                  "from_bytes", "in_process", "observed", "rebakes", "replay_plan", "release_plan",
-                 "paired_s", "sym")
+                 "paired_s", "sym", "fused_n", "paired_n")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -70,6 +70,9 @@ class TraceEntry:
         self.replay_s: list[float] = []  # recent op-by-op timings
         self.fused_s: list[float] = []  # recent fused timings
         self.paired_s: list[float] = []  # op-by-op runs between measured fused runs (Note [paired timing])
+        # a symbolic trace's size at each of those runs (Note [timing at one size])
+        self.fused_n: list[int] = []
+        self.paired_n: list[int] = []
         self.compile_s = 0.0
         self.decision = ""
         self.future: Any = None
