@@ -15,9 +15,11 @@ from adaptive_eager import compiler
 
 
 def _entry(n_ops: int, fused: list[float], paired: list[float], replay: list[float],
-           state: str = "fused") -> SimpleNamespace:
+           state: str = "fused", sym: object = None, fused_n: list[int] | None = None,
+           paired_n: list[int] | None = None) -> SimpleNamespace:
     return SimpleNamespace(n_ops=n_ops, state=state, fused_s=fused, paired_s=paired,
-                           replay_s=replay)
+                           replay_s=replay, sym=sym, fused_n=fused_n or [0] * len(fused),
+                           paired_n=paired_n or [0] * len(paired))
 
 
 @pytest.fixture
@@ -101,3 +103,24 @@ def test_a_sync_every_few_ops_steps_aside(graph_backend: object) -> None:
     m = ae.metrics()
     assert m["step_asides"] == 1, m
     assert m["kept_fused"] + m["kept_replay"] >= 1, m
+
+
+def test_estimate_of_a_symbolic_trace_at_one_size(pinned: None) -> None:
+    """Note [timing at one size]: a symbolic trace's sides come from its runs fitted at one
+    size; the fastest op-by-op run (the shortest sequence) against the median fused one (at a
+    long sequence) made the engine look slower than eager."""
+    from test_timing_sizes import FUSED, REPLAY
+
+    (fs, fn), (rs, rn) = FUSED, REPLAY
+    ms = [t * 1e-3 for t in fs], [t * 1e-3 for t in rs]
+    sym = _entry(300, ms[0], ms[1], [], sym=object(), fused_n=fn, paired_n=rn)
+    engine, eager = compiler.CompileManager.round_estimate(
+        SimpleNamespace(decided=[sym]))  # type: ignore[arg-type]
+    fused, replay = compiler._at_one_size(ms[0], fn, ms[1], rn)
+    per_op = 3e-6 + 2e-6
+    assert engine == pytest.approx(fused + 300 * per_op + 18e-6)
+    assert eager == pytest.approx(replay - 300 * 2.5e-6 - 1e-6)
+    static = _entry(300, ms[0], ms[1], [])  # the same samples read as a static trace
+    engine_s, eager_s = compiler.CompileManager.round_estimate(
+        SimpleNamespace(decided=[static]))  # type: ignore[arg-type]
+    assert engine_s > eager_s and engine < eager  # steps aside only when sizes are ignored
