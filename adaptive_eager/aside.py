@@ -149,6 +149,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from adaptive_eager import collector
 from adaptive_eager import compiler as compiler_mod
 from adaptive_eager.compiler import _median
 from adaptive_eager.dispatch.lazy import LazyTensor, become_real
@@ -418,6 +419,8 @@ class Presence:
                 m.__enter__()
             self.active = True
             opts = self.engine.options
+            if opts.gc_headroom:
+                collector.hold(opts.max_trace_ops)  # Note [young collections]
             if (opts.step_flush or opts.step_aside) and self._step_hook is None:
                 self._step_hook = _StepHook.add(self)
             if opts.step_aside and self.ticks_from in (None, "forward", "sync"):
@@ -429,6 +432,8 @@ class Presence:
             for m in reversed(self.modes):
                 m.__exit__(None, None, None)
             self.active = False
+            if self.engine.options.gc_headroom:
+                collector.release()  # (held while active: a failed exit keeps it held)
             if self._tick_hooks:
                 self._install_tick_hooks()  # Note [root ticks]: hooks on the roots only
 

@@ -155,6 +155,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Record ops on known traces with the C accelerator (adaptive_eager._hot, built by "
             "pip install when a C compiler is present; without it this has no effect). Off: "
             "the pure-Python path."),
+    # issue 13: the young generation's threshold while recording (Note [young collections])
+    Setting("gc_headroom", "ADAPTIVE_EAGER_GC_HEADROOM", _parse_bool, True,
+            "While the engine records, raise the garbage collector's young-generation threshold "
+            "(when it is the interpreter's default) above what a pending trace keeps alive, so "
+            "deferred ops do not set off collections (off: the threshold is left alone)."),
     # issue 16: the opt-in remote program store (cache/remote.py reads these two)
     Setting("remote_cache", "ADAPTIVE_EAGER_REMOTE_CACHE", _parse_redis_url, "",
             "A Redis store shared by machines, redis://host:port/db (unset: none); needs "
@@ -208,6 +213,7 @@ class Options:
     remote_cache_key_file: str = ""  # issue 16
     lazy_guard: bool = True  # issue 13
     accel: bool = True  # issue 13, the C accelerator
+    gc_headroom: bool = True  # issue 13, Note [young collections]
     symbolic_dims: bool = True  # issue 15
     symbolic_programs: bool = False  # issue 15 stage 2 (GPT-2's step still specializes)
 
