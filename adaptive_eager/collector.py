@@ -15,7 +15,7 @@ tracked every ~400 steps, 230-240 ms each: 0.76 ms a step in all, 6% of the warm
 
 So while this thread's engine has its modes pushed, the young threshold is raised above what a
 full trace keeps alive (700 + 3 per op of ``max_trace_ops``, at most 50,000): the objects of a
-pending trace no longer trigger collections (0.005 young collections a step, no full one), and
+pending trace no longer trigger collections (0.003 young collections a step, no full one), and
 garbage cycles are still collected, after more allocations. Nothing is frozen (``gc.freeze``
 saved as much but keeps cyclic garbage of every object older than the engine uncollected; per
 context, it also reset the young count at every entry, so a loop of short contexts could

@@ -212,6 +212,12 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2]
 
 
+def run_size(entry: TraceEntry, trace: Trace) -> int:
+    """The size a symbolic trace ran at, for its timings (Note [timing at one size]); 0 for
+    a static trace."""
+    return trace.sym.s if entry.sym is not None and trace.sym is not None else 0
+
+
 def _measure_runs(entry: TraceEntry) -> int:
     """Timed runs of each kind before deciding: more for a symbolic trace, whose runs come at
     different sizes (Note [timing at one size])."""
@@ -238,10 +244,10 @@ def _at_one_size(fused_s: list[float], fused_n: list[int], paired_s: list[float]
                  paired_n: list[int]) -> tuple[float, float]:
     """Note [timing at one size]
     A symbolic trace's measured runs come at whatever sizes the program calls it with: in the
-    varlen benchmark (sequence 16-64) op-by-op runs at 18-21 took 6.5-7.6 ms and fused runs at
-    53-58 took 6.6-7.2 ms, so the medians said "fused 6.523 ms is not faster than 6.184 ms"
-    for a program 3x faster than op by op at any one size, and the engine then ran the step op
-    by op for good (4 of 60 steps fused). Each kind's times are fitted as a line in the size
+    varlen benchmark (sequence 16-64) one run's medians said "fused 6.523 ms is not faster
+    than 6.184 ms" and the engine ran the step op by op for good (4 of 60 steps fused), for a
+    program 2-3x faster than op by op at any one size (runs logged by size in two other runs:
+    op by op 6.5-7.6 ms at 18-21, fused 2.1-2.8 ms at 16-21 and 6.6-7.2 ms at 53-58). Each kind's times are fitted as a line in the size
     (Theil-Sen) and both are compared at the median size of all the runs; a kind whose runs
     all came at one size takes the other kind's slope. Static traces (every size 0) compare
     plain medians, as before."""
@@ -1408,7 +1414,8 @@ class CompileManager:
             entry.fused_n.append(size)
             if len(entry.fused_s) > _HISTORY:
                 del entry.fused_s[0]
-                del entry.fused_n[0:len(entry.fused_n) - len(entry.fused_s)]
+                if entry.fused_n:  # (lists out of step compare medians: _at_one_size)
+                    del entry.fused_n[0]
             # Decided at the last paired op-by-op run (record_replay); the second condition
             # is for a trace whose op-by-op runs never come (none were made to alternate).
             runs = _measure_runs(entry)

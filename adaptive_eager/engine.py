@@ -25,7 +25,7 @@ from adaptive_eager.dispatch.lazy import (
 )
 from adaptive_eager.dispatch.opspec import GRAD_MODE, RANDOM, OpSpec
 from adaptive_eager.explain import explain_miss, user_frame
-from adaptive_eager.compiler import manager_for
+from adaptive_eager.compiler import manager_for, run_size
 from adaptive_eager.execute import live_slots, poison, publish, replay
 from adaptive_eager.fused import run_fused
 from adaptive_eager.events import RUN_LOG
@@ -575,8 +575,7 @@ class Engine:
                 env = replay(tr, live, self.check, entry)
             else:  # predicted metadata is checked once per size (Note [symbolic dims])
                 env = replay_checked(tr, live, self.check, entry)
-        mgr.record_replay(entry, time.perf_counter() - start,
-                          tr.sym.s if entry.sym is not None and tr.sym is not None else 0)
+        mgr.record_replay(entry, time.perf_counter() - start, run_size(entry, tr))
         M.replayed_runs += 1
         return env
 

@@ -16,6 +16,7 @@ import torch
 
 from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import TraceEntry
+from adaptive_eager.compiler import run_size
 from adaptive_eager.dispatch.lazy import meta_of
 from adaptive_eager.execute import ReplayGuard, replay
 from adaptive_eager.graph import ext_reals
@@ -52,8 +53,7 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
         # they were: replaying is safe.
         mgr.fused_failed(entry, err)
         return None
-    mgr.record_fused(entry, time.perf_counter() - start,
-                     tr.sym.s if entry.sym is not None and tr.sym is not None else 0)
+    mgr.record_fused(entry, time.perf_counter() - start, run_size(entry, tr))
     M.compiled_runs += 1
     M.ops_fused += len(tr.ops)
     env: list[Any] = [None] * tr.n_slots
