@@ -212,10 +212,12 @@ def _largest_program() -> Any:
     inputs = [t.clone() if isinstance(t, torch.Tensor) else t
               for t in _detached(entry.graph.example_inputs)]
     print(f"'program': trace {entry.digest[:12]} ({entry.n_ops} ops) on its own")
+    # held here: the engine's own keep decision may drop it from the entry mid-run
+    program = entry.program
 
     def run() -> None:
         with ReplayGuard():
-            entry.program(*inputs)
+            program(*inputs)
 
     return run
 
