@@ -4,7 +4,8 @@
     python -m benchmarks.varlen [--workloads train,generate]
                                 [--modes eager,engine,engine_warm,engine_on,torch_compile,engine_paired,
                                          engine_on_paired]
-                                [--steps 200] [--tokens 64] [--reps 3] [--out DIR] [--timeout S]
+                                [--steps 200] [--size small|mid] [--tokens 64] [--reps 3]
+                                [--out DIR] [--timeout S]
                                 [--cases gpt2/no_grad,gpt2/inference_mode,llama/no_grad,...]
 
 Each (workload, mode) runs in a fresh process, one torch thread. ``engine`` starts with an empty
@@ -40,7 +41,8 @@ flight), ``trial`` or ``in the engine``.
 
 - ``train``: Hugging Face ``GPT2LMHeadModel`` from a config (2 layers, width 64, 2 heads, vocab
   256, no dropout), batch 8, the sequence length drawn uniformly from 16..64 per step (one fixed
-  seed, the same lengths in every mode), AdamW foreach. Per mode: median ms per step after the
+  seed, the same lengths in every mode), AdamW foreach. ``--size mid``: 4 layers, width 256, 4
+  heads, vocab 2048 (issue 13's mid-size GPT-2), the length drawn from 64..128. Per mode: median ms per step after the
   first 10 steps, and for the engine the trace hit rate after the first 10 steps (flushes that
   matched a known trace / all flushes), flushes per step, compiles over the run, and how many
   ops ran inside fused programs. Losses are checked against eager's at every step.
@@ -65,6 +67,14 @@ from pathlib import Path
 from typing import Any
 
 _STEPS_SKIP = 10  # steps before the hit rate and the per-step time are counted
+
+# The training workload's sizes (``--size``): ``small`` is issue 15's model; ``mid`` is issue
+# 13's mid-size GPT-2 (benchmarks.workloads) with its sequence length drawn per step instead
+# of fixed at 128, where fusion has work to save.
+TRAIN_SIZES: dict[str, dict[str, Any]] = {
+    "small": {"width": 64, "layers": 2, "heads": 2, "vocab": 256, "lengths": (16, 64)},
+    "mid": {"width": 256, "layers": 4, "heads": 4, "vocab": 2048, "lengths": (64, 128)},
+}
 
 
 def _gpt2(width: int = 64, layers: int = 2, heads: int = 2, vocab: int = 256,
@@ -152,18 +162,25 @@ def _ops() -> int:
     return adaptive_eager.metrics()["ops_intercepted"]
 
 
-def _batches(steps: int) -> list[Any]:
+def _batches(steps: int, size: str = "small") -> list[Any]:
     import random
 
     import torch
 
+    lo, hi = TRAIN_SIZES[size]["lengths"]
+    vocab = TRAIN_SIZES[size]["vocab"]
     rng = random.Random(1234)
     gen = torch.Generator().manual_seed(1234)
     batches = []
     for _ in range(steps):
-        t = rng.randint(16, 64)
-        batches.append(torch.randint(0, 256, (8, t), generator=gen))
+        t = rng.randint(lo, hi)
+        batches.append(torch.randint(0, vocab, (8, t), generator=gen))
     return batches
+
+
+def _train_model(size: str) -> Any:
+    c = TRAIN_SIZES[size]
+    return _gpt2(width=c["width"], layers=c["layers"], heads=c["heads"], vocab=c["vocab"])
 
 
 def _train_step(model: Any) -> Any:
@@ -213,15 +230,15 @@ def _cell(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def run_train(mode: str, steps: int) -> dict[str, Any]:
+def run_train(mode: str, steps: int, size: str = "small") -> dict[str, Any]:
     if mode in ("engine_paired", "engine_on_paired"):
-        return _run_train_paired(steps)
+        return _run_train_paired(steps, size)
     import torch
 
-    model = _gpt2()
+    model = _train_model(size)
     model.train()
     step = _train_step(model)
-    batches = _batches(steps)
+    batches = _batches(steps, size)
     fn = torch.compile(step) if mode == "torch_compile" else step
     engine = mode.startswith("engine")
     times: list[float] = []
@@ -255,12 +272,13 @@ def run_train(mode: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def _run_train_paired(steps: int) -> dict[str, Any]:
+def _run_train_paired(steps: int, size: str = "small") -> dict[str, Any]:
     """Each batch stepped on two identical models, one in plain eager and one under the engine,
     one after the other (Note [paired timing]): both see the same load and the same length."""
     import adaptive_eager
 
-    eager_model, engine_model = _gpt2(), _gpt2()  # the same seeded initial weights
+    # the same seeded initial weights
+    eager_model, engine_model = _train_model(size), _train_model(size)
     eager_model.train()
     engine_model.train()
     eager_step, engine_step = _train_step(eager_model), _train_step(engine_model)
@@ -272,7 +290,7 @@ def _run_train_paired(steps: int) -> dict[str, Any]:
     ops: list[int] = []
     start = _snapshot()
     mid: dict[str, Any] = {}
-    for i, ids in enumerate(_batches(steps)):
+    for i, ids in enumerate(_batches(steps, size)):
         if i == _STEPS_SKIP:
             mid = _snapshot()
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -417,7 +435,7 @@ def _child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     mode = "engine_on" if args.mode == "engine_prime" else args.mode
     if args.workload == "train":
-        result = run_train(mode, args.steps)
+        result = run_train(mode, args.steps, args.size)
     else:
         result = run_generate(mode, args.tokens, args.reps, args.cases)
     if args.mode == "engine_prime":  # every compile it started ends on disk before it exits
@@ -481,7 +499,7 @@ def _run_case(workload: str, mode: str, args: argparse.Namespace, cache: Path) -
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / f"inductor-{workload}")
     cmd = [sys.executable, "-m", "benchmarks.varlen", "--child", "--workload", workload,
            "--mode", mode, "--steps", str(args.steps), "--tokens", str(args.tokens),
-           "--reps", str(args.reps), "--cases", args.cases]
+           "--reps", str(args.reps), "--cases", args.cases, "--size", args.size]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -535,13 +553,15 @@ def _time_ratio(r: dict[str, Any], base: float | None, ms: float) -> str:
     return f"{ms / base:.2f}" if base and ms else "-"
 
 
-def _table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+def _table(results: dict[str, dict[str, dict[str, Any]]], size: str = "small") -> str:
     lines: list[str] = []
     train = results.get("train")
     if train:
         base = train.get("eager", {}).get("ms_per_step")
         comp = train.get("torch_compile", {}).get("ms_per_step")
-        lines += ["| train (GPT-2, seq 16-64) | ms/step | speed vs eager | time / eager | "
+        c = TRAIN_SIZES[size]
+        lo, hi = c["lengths"]
+        lines += [f"| train (GPT-2 {c['layers']}x{c['width']}, seq {lo}-{hi}) | ms/step | speed vs eager | time / eager | "
                   "CPU time / eager | vs torch.compile | aside (timed steps plain eager) | "
                   "hit rate | flushes/step | compiles | max loss diff |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -618,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="train,generate")
     p.add_argument("--modes", default="eager,engine,engine_warm,engine_on,torch_compile")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--size", default="small", choices=sorted(TRAIN_SIZES),
+                   help="train: the model and its length range (small: issue 15's GPT-2, "
+                        "2x64, seq 16-64; mid: 4x256, vocab 2048, seq 64-128)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="timed generations per case")
     p.add_argument("--timeout", type=float, default=1800.0)
@@ -650,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             results[workload] = rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    table = _table(results)
+    table = _table(results, args.size)
     print(table)
     if args.out:
         out = Path(args.out)
