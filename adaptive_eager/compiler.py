@@ -54,7 +54,11 @@ when it happened: a transient one is retried by later processes (each of the nex
 ``TRANSIENT_RETRIES`` processes, then once it is ``RETRY_AFTER_S`` old); a permanent one stays
 op by op. Keep-or-drop measurements are kept per process (``samples``, the last ``_SAMPLES``);
 the stored decision is the median of their fused/op-by-op ratios, so one contended process no
-longer overrides three others. A process that loads an "op-by-op" decision re-measures when its
+longer overrides three others. A sample is what that process's decision compared (its paired
+runs, a symbolic trace's fitted at one size: Note [timing at one size]), not the medians of
+all its runs: for a varlen mid-size GPT-2 step those mixed sizes and cold first fused runs, and
+a process that kept its program (fused 212 ms against 355 op by op at one size) stored
+"fused/op-by-op 1.22", so every later process ran the step op by op. A process that loads an "op-by-op" decision re-measures when its
 own op-by-op time makes the stored fused time a clear win here.
 """
 
@@ -64,6 +68,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import random
 import sys
@@ -1440,6 +1445,7 @@ class CompileManager:
         else:
             fused = _median(entry.fused_s)
             replay = _median(entry.replay_s) if entry.replay_s else float("inf")
+        entry.decided_s = (fused, replay)
         self._mark_decided(entry)
         self._remeasure.discard(entry.digest)
         # Note [ranks agree]: the first rank to measure decides for all
@@ -1797,9 +1803,15 @@ class CompileManager:
         summary = entry.summary()
         samples = [s for s in old.get("samples", ()) if isinstance(s, dict)]
         decision = entry.decision
-        if sample and summary["fused_ms"] and summary["replay_ms"]:
-            samples = (samples + [{"fused_ms": summary["fused_ms"],
-                                   "replay_ms": summary["replay_ms"],
+        fused_ms, replay_ms = ((round(entry.decided_s[0] * 1e3, 4),
+                                round(entry.decided_s[1] * 1e3, 4))
+                               if entry.decided_s is not None else
+                               (summary["fused_ms"], summary["replay_ms"]))
+        if sample and fused_ms and replay_ms and math.isfinite(replay_ms):
+            # the figures the decision compared: paired runs, a symbolic trace's at one size
+            # (plain medians of all runs mixed sizes and runs beside a compile: a varlen
+            # program kept at 212 vs 355 ms was stored as 'fused/op-by-op 1.22')
+            samples = (samples + [{"fused_ms": fused_ms, "replay_ms": replay_ms,
                                    "at": round(time.time(), 1)}])[-_SAMPLES:]
             keep, ratio = _combine(samples)
             decision = (f"{'fused' if keep else 'op-by-op'}: median fused/op-by-op "

@@ -90,3 +90,40 @@ def test_measured_runs_carry_their_sizes(graph_backend: object,
     fn, pn = decided[-1]
     assert len(pn) == MEASURE_RUNS_SYM and len(fn) >= MEASURE_RUNS_SYM, decided
     assert set(fn) | set(pn) <= set(ran) and len(set(fn) | set(pn)) > 1, decided
+
+
+def test_stored_sample_is_what_the_decision_compared(graph_backend: object,
+                                                      tmp_path: object) -> None:
+    """Note [persisted decisions]: the sample a process leaves on disk is the pair of times its
+    keep decision compared (fitted at one size), so the next process decides alike; the plain
+    medians of all runs (mixed sizes, unpaired runs) once stored 'op-by-op' for a kept program."""
+    from adaptive_eager.cache.disk import DiskCache
+
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(16)
+    g = torch.Generator().manual_seed(2)
+    sizes = [5, 7, 9, 11, 13, 6, 8, 10] + [20, 33, 17, 27, 45] * 6
+    xs = [torch.randn(2, t, 16, generator=g) for t in sizes]
+    with torch.no_grad():
+        want = [_block(ln, x) for x in xs]
+    with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, symbolic_programs=True,
+                           step_aside=False, compile_async=False, compile_process=False,
+                           cache_dir=str(tmp_path)), torch.no_grad():
+        for x, w in zip(xs, want):
+            y = _block(ln, x)
+            ae.sync()
+            assert torch.equal(y, w)
+    entry = max((e for e in TRIE.entry_list if e.sym is not None), key=lambda e: e.n_ops)
+    assert entry.state in ("fused", "replay") and entry.decided_s is not None, entry.state
+    disk = DiskCache.open(tmp_path, 1 << 30)  # type: ignore[arg-type]
+    assert disk is not None
+    try:
+        stats = disk.get_stats(entry.digest)
+    finally:
+        disk.close()
+    (sample,) = stats["samples"]
+    fused, replay = entry.decided_s
+    assert sample["fused_ms"] == round(fused * 1e3, 4)
+    assert sample["replay_ms"] == round(replay * 1e3, 4)
+    keep, _ = compiler._combine(stats["samples"])
+    assert keep == (entry.state == "fused"), (stats["decision"], entry.decision)

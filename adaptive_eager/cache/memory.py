@@ -56,7 +56,7 @@ class TraceEntry:
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
                  "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
                  "from_bytes", "in_process", "observed", "rebakes", "replay_plan", "release_plan",
-                 "paired_s", "sym", "fused_n", "paired_n")
+                 "paired_s", "sym", "fused_n", "paired_n", "decided_s")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -73,6 +73,9 @@ class TraceEntry:
         # a symbolic trace's size at each of those runs (Note [timing at one size])
         self.fused_n: list[int] = []
         self.paired_n: list[int] = []
+        # (fused, op by op) seconds the keep decision compared: what goes to disk as this
+        # process's sample (Note [persisted decisions] in compiler.py)
+        self.decided_s: tuple[float, float] | None = None
         self.compile_s = 0.0
         self.decision = ""
         self.future: Any = None
