@@ -3,7 +3,9 @@
 Two tiny programs (a chain of ``torch.add`` on 16 elements, and a mix of ops) and a small module
 (LayerNorm-Linear-GELU-Linear, forward and backward) are timed as plain eager, under an empty
 TorchDispatchMode, as bare aten calls from Python below autograd (the floor for op-by-op replay),
-and under adaptive_eager (record + replay only): on a trace hit (the same loop repeated;
+under a mode whose C handler only hands out one wrapper tensor per op (the floor for recording
+with wrapper outputs: ``benchmarks/_floor.c``, built here with the machine's C compiler; the tiny
+programs only, its fixed 16-element outputs would break the module's autograd), and under adaptive_eager (record + replay only): on a trace hit (the same loop repeated;
 recording and replay timed apart) and on a miss (first sight of every op, after
 ``adaptive_eager.clear_caches()``). The paths are measured in interleaved rounds, so load from other
 work spreads over all of them; the table gives the median and the best repetition. Prints the
@@ -133,6 +135,67 @@ class RecordingMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class WrapperFloor(torch.Tensor):
+    """The wrapper class _floor.c hands out (never dispatched: the mode takes every op)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        raise RuntimeError("the wrapper floor's tensors are never computed with")
+
+
+_FLOOR: list[Any] = []  # the built module, once per process
+
+
+def build_floor() -> Any:
+    """benchmarks/_floor.c built with the compiler Python was built with, imported."""
+    if _FLOOR:
+        return _FLOOR[0]
+    import importlib.machinery
+    import importlib.util
+    import subprocess
+    import sysconfig
+
+    src = Path(__file__).with_name("_floor.c")
+    out = Path(tempfile.mkdtemp(prefix="ae-floor-")) / ("_floor" + (
+        sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    subprocess.run([*cc, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                    str(src), "-o", str(out)], check=True, capture_output=True, timeout=120)
+    loader = importlib.machinery.ExtensionFileLoader("_floor", str(out))
+    spec = importlib.util.spec_from_file_location("_floor", out, loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    refs: list[Any] = []
+    mod.setup(torch.Tensor._make_wrapper_subclass,
+              (WrapperFloor, (16,), (1,), None, None, torch.float32, torch.strided,
+               torch.device("cpu")), refs, ("_ae_trace", "_ae_slot", "_ae_meta"),
+              (refs, 0, None))
+    _FLOOR.append(mod)
+    return mod
+
+
+class FloorMode(TorchDispatchMode):
+    """Every op answered by _floor.c's handler (installed on the instance, as the engine's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from types import MethodType
+
+        self.__torch_dispatch__ = MethodType(build_floor().handler, self)  # type: ignore
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # as the engine's mode: no dynamo shim per op
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        raise RuntimeError("replaced by the C handler")
+
+
+FLOOR_PATH = "one wrapper per op from C (record floor)"
+FLOOR_PROGRAMS = ("add16", "mix")
+
+
 def record_calls(run: Program) -> list[tuple[Any, tuple, dict]]:
     rec = RecordingMode()
     with rec:
@@ -209,6 +272,9 @@ class PlainSampler(Sampler):
         if self.path == "empty TorchDispatchMode":
             with EmptyMode():
                 yield
+        elif self.path == FLOOR_PATH:
+            with FloorMode():
+                yield
         else:
             yield
 
@@ -225,7 +291,9 @@ class PlainSampler(Sampler):
     def rows(self) -> list[Row]:
         n = len(self.calls)
         med, best = per_op(self.times, n)
-        note = "recorded ops, real inputs" if "floor" in self.path else ""
+        note = ("recorded ops, real inputs" if "replay floor" in self.path else
+                "C handler: make the wrapper, 3 attributes, a weak reference; nothing else"
+                if self.path == FLOOR_PATH else "")
         return [Row(self.program, self.path, med, best, n, len(self.times), self.error or note)]
 
 
@@ -337,6 +405,8 @@ def samplers_for(program: str, device: torch.device, ae: Any, options: dict[str,
     run = PROGRAMS[program](device)
     sync = device_sync(device)
     steady: list[Sampler] = [PlainSampler(program, run, sync, p) for p in PLAIN_PATHS]
+    if program in FLOOR_PROGRAMS and device.type == "cpu":
+        steady.append(PlainSampler(program, run, sync, FLOOR_PATH))
     cold: list[Sampler] = []
     if ae is not None:
         steady.append(EngineHitSampler(program, run, sync, ae, options))
