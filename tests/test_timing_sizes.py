@@ -55,6 +55,19 @@ def _block(ln: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return h.softmax(1).sum(-1) * 2.0
 
 
+def _sized_inputs(seed: int) -> tuple[torch.nn.Module, list[torch.Tensor], list[torch.Tensor]]:
+    """A LayerNorm, inputs at lengths short then long (the fused runs' and op-by-op runs'
+    sizes differ), and eager's results for them."""
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(16)
+    g = torch.Generator().manual_seed(seed)
+    sizes = [5, 7, 9, 11, 13, 6, 8, 10] + [20, 33, 17, 27, 45] * 6
+    xs = [torch.randn(2, t, 16, generator=g) for t in sizes]
+    with torch.no_grad():
+        want = [_block(ln, x) for x in xs]
+    return ln, xs, want
+
+
 def test_measured_runs_carry_their_sizes(graph_backend: object,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The sizes the decision fits are the sizes the runs came at (one symbolic trace, programs
@@ -67,13 +80,7 @@ def test_measured_runs_carry_their_sizes(graph_backend: object,
         return real(fs, fn, ps, pn)
 
     monkeypatch.setattr(compiler, "_at_one_size", spy)
-    torch.manual_seed(0)
-    ln = torch.nn.LayerNorm(16)
-    g = torch.Generator().manual_seed(1)
-    sizes = [5, 7, 9, 11, 13, 6, 8, 10] + [20, 33, 17, 27, 45] * 6
-    xs = [torch.randn(2, t, 16, generator=g) for t in sizes]
-    with torch.no_grad():
-        want = [_block(ln, x) for x in xs]
+    ln, xs, want = _sized_inputs(1)
     ran: list[int] = []
     with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, symbolic_programs=True,
                            step_aside=False, compile_async=False, compile_process=False,
@@ -99,13 +106,7 @@ def test_stored_sample_is_what_the_decision_compared(graph_backend: object,
     medians of all runs (mixed sizes, unpaired runs) once stored 'op-by-op' for a kept program."""
     from adaptive_eager.cache.disk import DiskCache
 
-    torch.manual_seed(0)
-    ln = torch.nn.LayerNorm(16)
-    g = torch.Generator().manual_seed(2)
-    sizes = [5, 7, 9, 11, 13, 6, 8, 10] + [20, 33, 17, 27, 45] * 6
-    xs = [torch.randn(2, t, 16, generator=g) for t in sizes]
-    with torch.no_grad():
-        want = [_block(ln, x) for x in xs]
+    ln, xs, want = _sized_inputs(2)
     with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, symbolic_programs=True,
                            step_aside=False, compile_async=False, compile_process=False,
                            cache_dir=str(tmp_path)), torch.no_grad():
