@@ -58,8 +58,9 @@ longer overrides three others. A sample is what that process's decision compared
 runs, a symbolic trace's fitted at one size: Note [timing at one size]), not the medians of
 all its runs: for a varlen mid-size GPT-2 step those mixed sizes and cold first fused runs, and
 a process that kept its program (fused 212 ms against 355 op by op at one size) stored
-"fused/op-by-op 1.22", so every later process ran the step op by op. A process that loads an "op-by-op" decision re-measures when its
-own op-by-op time makes the stored fused time a clear win here.
+"fused/op-by-op 1.22", so every later process ran the step op by op. A process that loads an
+"op-by-op" decision re-measures when its own op-by-op time makes the stored fused time a clear
+win here.
 """
 
 from __future__ import annotations
@@ -252,10 +253,10 @@ def _at_one_size(fused_s: list[float], fused_n: list[int], paired_s: list[float]
     varlen benchmark (sequence 16-64) one run's medians said "fused 6.523 ms is not faster
     than 6.184 ms" and the engine ran the step op by op for good (4 of 60 steps fused), for a
     program 2-3x faster than op by op at any one size (runs logged by size in two other runs:
-    op by op 6.5-7.6 ms at 18-21, fused 2.1-2.8 ms at 16-21 and 6.6-7.2 ms at 53-58). Each kind's times are fitted as a line in the size
-    (Theil-Sen) and both are compared at the median size of all the runs; a kind whose runs
-    all came at one size takes the other kind's slope. Static traces (every size 0) compare
-    plain medians, as before."""
+    op by op 6.5-7.6 ms at 18-21, fused 2.1-2.8 ms at 16-21 and 6.6-7.2 ms at 53-58). Each
+    kind's times are fitted as a line in the size (Theil-Sen) and both are compared at the
+    median size of all the runs; a kind whose runs all came at one size takes the other kind's
+    slope. Static traces (every size 0) compare plain medians, as before."""
     if (len(fused_n) != len(fused_s) or len(paired_n) != len(paired_s)
             or len(set(fused_n) | set(paired_n)) < 2):
         return _median(fused_s), _median(paired_s)
@@ -1803,15 +1804,11 @@ class CompileManager:
         summary = entry.summary()
         samples = [s for s in old.get("samples", ()) if isinstance(s, dict)]
         decision = entry.decision
-        fused_ms, replay_ms = ((round(entry.decided_s[0] * 1e3, 4),
-                                round(entry.decided_s[1] * 1e3, 4))
-                               if entry.decided_s is not None else
-                               (summary["fused_ms"], summary["replay_ms"]))
-        if sample and fused_ms and replay_ms and math.isfinite(replay_ms):
-            # the figures the decision compared: paired runs, a symbolic trace's at one size
-            # (plain medians of all runs mixed sizes and runs beside a compile: a varlen
-            # program kept at 212 vs 355 ms was stored as 'fused/op-by-op 1.22')
-            samples = (samples + [{"fused_ms": fused_ms, "replay_ms": replay_ms,
+        # the sample is what _decide compared, not the medians (Note [persisted decisions])
+        decided = entry.decided_s
+        if sample and decided is not None and math.isfinite(decided[1]):
+            samples = (samples + [{"fused_ms": round(decided[0] * 1e3, 4),
+                                   "replay_ms": round(decided[1] * 1e3, 4),
                                    "at": round(time.time(), 1)}])[-_SAMPLES:]
             keep, ratio = _combine(samples)
             decision = (f"{'fused' if keep else 'op-by-op'}: median fused/op-by-op "

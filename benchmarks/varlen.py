@@ -42,10 +42,11 @@ flight), ``trial`` or ``in the engine``.
 - ``train``: Hugging Face ``GPT2LMHeadModel`` from a config (2 layers, width 64, 2 heads, vocab
   256, no dropout), batch 8, the sequence length drawn uniformly from 16..64 per step (one fixed
   seed, the same lengths in every mode), AdamW foreach. ``--size mid``: 4 layers, width 256, 4
-  heads, vocab 2048 (issue 13's mid-size GPT-2), the length drawn from 64..128. Per mode: median ms per step after the
-  first 10 steps, and for the engine the trace hit rate after the first 10 steps (flushes that
-  matched a known trace / all flushes), flushes per step, compiles over the run, and how many
-  ops ran inside fused programs. Losses are checked against eager's at every step.
+  heads, vocab 2048 (issue 13's mid-size GPT-2), the length drawn from 64..128. Per mode:
+  median ms per step after the first 10 steps, and for the engine the trace hit rate after the
+  first 10 steps (flushes that matched a known trace / all flushes), flushes per step, compiles
+  over the run, and how many ops ran inside fused programs. Losses are checked against eager's at
+  every step.
 - ``generate``: a config-built GPT-2 (2 layers, width 64) and Llama (2 layers, hidden 64), a
   prompt of 8 tokens, 64 new tokens greedy with the KV cache, under ``torch.no_grad()`` and
   ``torch.inference_mode()``; ms per new token (median of ``--reps`` generations after one
@@ -561,8 +562,9 @@ def _table(results: dict[str, dict[str, dict[str, Any]]], size: str = "small") -
         comp = train.get("torch_compile", {}).get("ms_per_step")
         c = TRAIN_SIZES[size]
         lo, hi = c["lengths"]
-        lines += [f"| train (GPT-2 {c['layers']}x{c['width']}, seq {lo}-{hi}) | ms/step | speed vs eager | time / eager | "
-                  "CPU time / eager | vs torch.compile | aside (timed steps plain eager) | "
+        lines += [f"| train (GPT-2 {c['layers']}x{c['width']}, seq {lo}-{hi}) | ms/step | "
+                  "speed vs eager | time / eager | CPU time / eager | vs torch.compile | "
+                  "aside (timed steps plain eager) | "
                   "hit rate | flushes/step | compiles | max loss diff |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode, r in train.items():
