@@ -224,16 +224,27 @@ _current_mode = torch.utils._python_dispatch._get_current_dispatch_mode
 _graph_task = torch._C._current_graph_task_id
 
 
+_NO_ARG: Any = object()
+
+
 def _sync_wrapper(name: str) -> Any:
     orig = getattr(torch._C.TensorBase, name)
 
-    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = orig(self, *args, **kwargs)
-        if not _traced_here():
-            ref = _PENDING.get(threading.get_ident())
-            presence = ref() if ref is not None else None
-            if presence is not None:
-                presence.sync_point()
+    def method(self: torch.Tensor, arg: Any = _NO_ARG) -> Any:
+        # none of these takes an argument: a star-args signature cost 0.1 us a call, and an
+        # argument given still gets torch's own error
+        out = orig(self) if arg is _NO_ARG else orig(self, arg)
+        ref = _PENDING.get(_get_ident())
+        if ref is not None:
+            p = ref()
+            if p is None:
+                return out
+            # Note [counting syncs]: a sync that only counts toward its round takes no call
+            if (p.ticks_from == "sync" and p.pending is None and p._syncs < _SYNC_COUNT_ONLY
+                    and p.in_context and not p.quiet and not _compiler._is_compiling_flag):
+                p._syncs += 1
+            elif not _traced_here():
+                p.sync_point()
         return out
 
     method.__name__ = method.__qualname__ = name
@@ -242,6 +253,20 @@ def _sync_wrapper(name: str) -> Any:
     return method
 
 
+# Note [counting syncs]
+# While syncs are the rounds (Note [syncs are rounds]) and the engine is aside, every ``.item()``
+# of a solver loop paid about 1 us for its wrapper: the Dynamo check (four Python calls) and
+# ``sync_point`` with the call it makes, where 15 of every 16 syncs only add one to a count.
+# The wrapper now adds that one itself when ``sync_point`` would do nothing else (syncs are the
+# rounds, no step-aside pending, in the context, not quiet, this sync not the round's last) and
+# no compile or export is tracing (``is_compiling()``'s flag, read without its call; Dynamo
+# folds ``is_dynamo_compiling()`` only in code it traces, and it does not trace this file), and
+# the wrapper takes no star-args (0.1 us more a call). ``.item()`` aside: 575 -> 445 ns (eager's
+# own 148); the benchmark's item_loop aside: 71.3 -> 68.8 us a step in one process, 63-65 us after
+# the context. Every other sync takes the full path as before.
+_SYNC_COUNT_ONLY = SYNC_ROUND - 1
+_get_ident = threading.get_ident
+_compiler = torch.compiler
 _SYNC_WRAPPERS = {name: _sync_wrapper(name) for name in _SYNC_METHODS}
 
 

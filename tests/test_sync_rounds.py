@@ -126,3 +126,39 @@ def test_waiting_aside_while_compiling(monkeypatch: pytest.MonkeyPatch,
     assert 0 in waiting  # iterations while waiting reached no engine
     # op by op and aside: eager's bits; fused runs within float tolerance of them
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+def _rounds_aside(monkeypatch: pytest.MonkeyPatch, graph_backend: object, count_only: int,
+                  syncs: int) -> int:
+    """Rounds a presence aside counts over ``syncs`` syncs, with the wrapper counting itself up
+    to ``count_only`` (Note [counting syncs]; 0: every sync takes ``sync_point``)."""
+    import threading
+
+    monkeypatch.setattr(aside, "_SYNC_COUNT_ONLY", count_only)
+    ae.clear_caches()  # a fresh presence: the last context's stays standing, quiet aside
+    calibrate()
+    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second: aside soon
+    a, b = _solver()
+    x = torch.zeros(16)
+    with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, compile_async=False,
+                           compile_process=False, disk_cache=False, probe_every=10**6):
+        for _ in range(200):
+            _iterate(a, b, x)
+        presence = aside._PENDING[threading.get_ident()]()
+        assert presence.aside and presence.ticks_from == "sync"
+        before = presence.steps_aside
+        t = torch.tensor(0.5)
+        for _ in range(syncs):
+            t.item()
+        return presence.steps_aside - before
+
+
+def test_counting_syncs_ends_rounds_as_sync_point(monkeypatch: pytest.MonkeyPatch,
+                                                  graph_backend: object) -> None:
+    """The wrapper's own count (Note [counting syncs]) ends a round at the same sync as
+    ``sync_point`` does for every sync."""
+    n = 5 * aside.SYNC_ROUND + 3
+    fast = _rounds_aside(monkeypatch, graph_backend, aside.SYNC_ROUND - 1, n)
+    full = _rounds_aside(monkeypatch, graph_backend, 0, n)
+    assert fast == full
+    assert fast in (5, 6)  # the round under way when the loop began may end within it
