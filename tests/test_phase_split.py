@@ -1,0 +1,30 @@
+"""benchmarks/phase_split: the varlen GPT-2 step timed by phase, eager and under the engine
+(replay backend: losses bitwise equal to eager's at every step)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import adaptive_eager as ae  # noqa: E402
+from benchmarks import phase_split as P  # noqa: E402
+
+
+def test_phases_recorded_under_the_engine_match_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTIVE_EAGER_STEP_ASIDE", "0")
+    monkeypatch.setenv("ADAPTIVE_EAGER_BACKEND", "replay")
+    eager, eager_losses = P._run(False, "small", 4, 1)
+    engine, engine_losses = P._run(True, "small", 4, 1)
+    assert engine_losses == eager_losses  # op by op: bitwise
+    m = ae.metrics()
+    assert m["ops_intercepted"] > 4 * 300 and m["step_asides"] == 0, m
+    assert len(eager) == len(engine) == len(P.PHASES)
+    assert eager[3] == 0.0 and engine[3] > 0.0  # only the engine flushes
+    text = P.table(eager, engine, compile_ms=5.0)
+    assert "| engine kept on |" in text and "torch.compile's whole step: 5.00 ms" in text
+
+
+def test_skip_must_leave_timed_steps() -> None:
+    with pytest.raises(SystemExit):
+        P.main(["--steps", "5", "--skip", "5"])
