@@ -7,9 +7,9 @@ The varlen GPT-2 training step (``benchmarks.varlen``'s model, batches and AdamW
 in one process twice, plain eager and then under the engine with stepping aside off, and each
 step is timed in phases: forward (``zero_grad`` and the loss), backward, the optimizer step,
 and the rest (``.item()`` of the loss). Under the engine the trace's flush happens inside the
-optimizer step's hook; its time (``Engine.flush``: op-by-op replay or the fused program,
-kernels included) is taken out of the optimizer phase and shown as ``flush``, so the first
-three engine columns are what recording costs: the model's Python, autograd and the engine's
+optimizer step's hook; the time of every flush (``Engine.flush``: op-by-op replay or the fused
+program, kernels included) is taken out of the phase it fell in and shown as ``flush``, so the
+first three engine columns are what recording costs: the model's Python, autograd and the engine's
 interception, with no kernel of the trace run. Their sum is a floor for any engine that runs
 the user's Python every step, whatever its programs cost; the table sets it beside eager's
 whole step (and torch.compile's, when given with ``--compile-ms``, from
@@ -66,16 +66,16 @@ def _run(engine: bool, size: str, steps: int, skip: int) -> tuple[list[float], l
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 loss = model(input_ids=ids, labels=ids).loss
-                t1 = time.perf_counter()
+                t1, f1 = time.perf_counter(), flushed[0]
                 loss.backward()
-                t2 = time.perf_counter()
+                t2, f2 = time.perf_counter(), flushed[0]
                 opt.step()
-                t3 = time.perf_counter()
-                f = flushed[0]
+                t3, f3 = time.perf_counter(), flushed[0]
                 losses.append(loss.detach().item())
-                t4 = time.perf_counter()
-                if i >= skip:
-                    rows.append((t1 - t0, t2 - t1, t3 - t2 - f, f, t4 - t3))
+                t4, f4 = time.perf_counter(), flushed[0]
+                if i >= skip:  # each phase less the flushes inside it, which have their column
+                    rows.append((t1 - t0 - f1, t2 - t1 - (f2 - f1), t3 - t2 - (f3 - f2), f4,
+                                 t4 - t3 - (f4 - f3)))
     finally:
         Engine.flush = real_flush  # type: ignore[method-assign]
     return [statistics.median(c) * 1e3 for c in zip(*rows)], losses
