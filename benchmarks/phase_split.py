@@ -1,7 +1,7 @@
 """Where a training step's time goes, phase by phase: ``python -m benchmarks.phase_split``.
 
     python -m benchmarks.phase_split [--size small|mid] [--steps 60] [--skip 20]
-                                     [--backend replay|inductor] [--threads 1]
+                                     [--backend replay|inductor] [--compile] [--threads 1]
 
 The varlen GPT-2 training step (``benchmarks.varlen``'s model, batches and AdamW foreach) runs
 in one process twice, plain eager and then under the engine with stepping aside off, and each
@@ -12,13 +12,14 @@ program, kernels included) is taken out of the phase it fell in and shown as ``f
 first three engine columns are what recording costs: the model's Python, autograd and the engine's
 interception, with no kernel of the trace run. Their sum is a floor for any engine that runs
 the user's Python every step, whatever its programs cost; the table sets it beside eager's
-whole step (and torch.compile's, when given with ``--compile-ms``, from
-``benchmarks.varlen``'s run on the same machine).
+whole step and, with ``--compile``, beside torch.compile's (the whole step compiled with its
+default automatic dynamic shapes, timed after the other two in the same process).
 
 The default backend is ``replay`` (no compile: the recording phases do not depend on it);
 ``--backend inductor`` compiles in the process, at the flush that finds the trace hot
 (``ADAPTIVE_EAGER_COMPILE_ASYNC=0``, inside the skipped steps), so the flush column is the fused
-program's. The cache folder is a fresh temporary one unless ``ADAPTIVE_EAGER_CACHE_DIR`` is set. Medians over the steps after ``--skip``.
+program's. The engine's cache folder and Inductor's are fresh temporary ones unless
+``ADAPTIVE_EAGER_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` are set. Medians over the steps after ``--skip``.
 """
 
 from __future__ import annotations
@@ -81,6 +82,23 @@ def _run(engine: bool, size: str, steps: int, skip: int) -> tuple[list[float], l
     return [statistics.median(c) * 1e3 for c in zip(*rows)], losses
 
 
+def _run_compiled(size: str, steps: int, skip: int) -> tuple[float, list[float]]:
+    """torch.compile of the whole step (its default automatic dynamic shapes): median ms of a
+    step after ``skip``, and every step's loss."""
+    import torch
+
+    from benchmarks import varlen
+
+    step = torch.compile(varlen._train_step(varlen._train_model(size)))
+    times, losses = [], []
+    for i, ids in enumerate(varlen._batches(steps, size)):
+        t0 = time.perf_counter()
+        losses.append(step(ids).item())
+        if i >= skip:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, losses
+
+
 def table(eager: list[float], engine: list[float], compile_ms: float | None = None) -> str:
     lines = ["| mode | " + " | ".join(PHASES) + " | recording (fwd+bwd+opt) | step |",
              "|---|" + "---|" * (len(PHASES) + 2)]
@@ -88,6 +106,9 @@ def table(eager: list[float], engine: list[float], compile_ms: float | None = No
         rec = sum(row[:3])
         lines.append(f"| {name} | " + " | ".join(f"{x:.2f}" for x in row)
                      + f" | {rec:.2f} | {sum(row):.2f} |")
+    if compile_ms:
+        lines.append("| torch.compile (whole step) |" + " - |" * (len(PHASES) + 1)
+                     + f" {compile_ms:.2f} |")
     rec = sum(engine[:3])
     lines.append("")
     lines.append(f"Engine recording alone: {rec:.2f} ms = {rec / sum(eager):.2f}x eager's whole "
@@ -95,7 +116,8 @@ def table(eager: list[float], engine: list[float], compile_ms: float | None = No
     if compile_ms:
         lines.append(f"torch.compile's whole step: {compile_ms:.2f} ms; recording alone is "
                      f"{rec / compile_ms:.2f}x that, so the engine kept on reaches at most "
-                     f"{compile_ms / rec:.2f}x torch.compile's throughput with a free program.")
+                     f"{compile_ms / rec:.2f}x torch.compile's throughput with a free program; "
+                     f"with its program it gives {compile_ms / sum(engine):.2f}x.")
     return "\n".join(lines)
 
 
@@ -106,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=20, help="steps before timing")
     p.add_argument("--backend", default="replay")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile-ms", type=float,
-                   help="torch.compile's ms per step from benchmarks.varlen on this machine")
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch.compile of the whole step in this process")
     args = p.parse_args(argv)
     if args.skip >= args.steps:
         p.error(f"--skip {args.skip} leaves no timed step of --steps {args.steps}")
@@ -115,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["ADAPTIVE_EAGER_BACKEND"] = args.backend
     # inductor: compile at the flush that finds the trace hot, inside the skipped steps
     os.environ["ADAPTIVE_EAGER_COMPILE_ASYNC"] = "0"
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # no kernel compiled by an earlier run
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ae-phase-split-ind-")
     if "ADAPTIVE_EAGER_CACHE_DIR" not in os.environ:  # a fresh folder: nothing from earlier runs
         os.environ["ADAPTIVE_EAGER_CACHE_DIR"] = tempfile.mkdtemp(prefix="ae-phase-split-")
     import torch
@@ -123,10 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     eager, eager_losses = _run(False, args.size, args.steps, args.skip)
     engine, engine_losses = _run(True, args.size, args.steps, args.skip)
     diff = max(abs(a - b) for a, b in zip(eager_losses, engine_losses))
+    compile_ms = None
+    if args.compile:
+        compile_ms, compiled_losses = _run_compiled(args.size, args.steps, args.skip)
+        diff_c = max(abs(a - b) for a, b in zip(eager_losses, compiled_losses))
     print(f"GPT-2 {args.size} varlen step, {args.steps} steps (median of the last "
           f"{args.steps - args.skip}), backend {args.backend}, ms:\n")
-    print(table(eager, engine, args.compile_ms))
-    print(f"max loss difference against eager: {diff:.3g}")
+    print(table(eager, engine, compile_ms))
+    print(f"max loss difference against eager: engine {diff:.3g}"
+          + (f", torch.compile {diff_c:.3g}" if args.compile else ""))
     return 0
 
 

@@ -28,3 +28,11 @@ def test_phases_recorded_under_the_engine_match_eager(monkeypatch: pytest.Monkey
 def test_skip_must_leave_timed_steps() -> None:
     with pytest.raises(SystemExit):
         P.main(["--steps", "5", "--skip", "5"])
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager_losses() -> None:
+    _, eager_losses = P._run(False, "small", 3, 1)
+    ms, compiled_losses = P._run_compiled("small", 3, 1)
+    assert ms > 0 and len(compiled_losses) == 3
+    assert max(abs(a - b) for a, b in zip(eager_losses, compiled_losses)) < 1e-4
