@@ -19,7 +19,8 @@ The default backend is ``replay`` (no compile: the recording phases do not depen
 ``--backend inductor`` compiles in the process, at the flush that finds the trace hot
 (``ADAPTIVE_EAGER_COMPILE_ASYNC=0``, inside the skipped steps), so the flush column is the fused
 program's. The engine's cache folder and Inductor's are fresh temporary ones unless
-``ADAPTIVE_EAGER_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` are set. Medians over the steps after ``--skip``.
+``ADAPTIVE_EAGER_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` are set. Medians over the steps
+after ``--skip``.
 """
 
 from __future__ import annotations
