@@ -18,7 +18,7 @@ from adaptive_eager.calibrate import calibrate
 from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
 from adaptive_eager.cache.memory import META_CACHE, TRIE
 from adaptive_eager.compiler import _managers, reset_managers
-from adaptive_eager.dispatch import hops, regions
+from adaptive_eager.dispatch import hops, mode, regions
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.dispatch.mode import install_hooks as mode_hooks
@@ -401,6 +401,7 @@ def metrics() -> dict[str, Any]:
     out = METRICS.as_dict()
     out["known_traces"] = TRIE.entries
     out["metadata_cache_size"] = len(META_CACHE.table)
+    out["accel_missing"] = mode.ACCEL_MISSING  # "" when the C accelerator runs
     return out
 
 

@@ -153,7 +153,7 @@ SETTINGS: tuple[Setting, ...] = (
     # issue 13: the C accelerator of the hot path (Note [C accelerator] in _hot.c)
     Setting("accel", "ADAPTIVE_EAGER_ACCEL", _parse_bool, True,
             "Record ops on known traces with the C accelerator (adaptive_eager._hot, built by "
-            "pip install when a C compiler is present; without it this has no effect). Off: "
+            "pip install when a C compiler is present; without it the engine warns once). Off: "
             "the pure-Python path."),
     # issue 13: the young generation's threshold while recording (Note [young collections])
     Setting("gc_headroom", "ADAPTIVE_EAGER_GC_HEADROOM", _parse_bool, True,

@@ -52,6 +52,7 @@ def summarize_run(records: list[dict]) -> dict:
                                      key=lambda kv: -kv[1])[:10]),
         "changed_misses": sum(r.get("count", 0) for r in misses
                               if r.get("cause") not in _FIRST_SIGHT),
+        "accel_missing": m.get("accel_missing", ""),
         "fallbacks": m.get("fallbacks", 0), "step_asides": m.get("step_asides", 0),
         "compile_waits": m.get("compile_waits", 0),
         "top_traces": saved[:10],
@@ -203,6 +204,9 @@ def _format_run(r: dict) -> list[str]:
                    "the run: their programs land in the cache for the next run")
     if faults:
         out.append("  faults (results unchanged, ran op by op): " + ", ".join(faults))
+    if r.get("accel_missing"):
+        out.append(f"  hot path: pure Python, the C accelerator is {r['accel_missing']}: "
+                   "about 20% slower per op (reinstall where a C compiler is present)")
     sym = r.get("sym") or {}
     if sym.get("sym_learned") or sym.get("sym_loaded"):
         out.append(f"  symbolic dims: {sym['sym_learned']} learnt, {sym['sym_loaded']} from "

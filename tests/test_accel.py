@@ -1100,3 +1100,39 @@ def test_the_policy_object_is_not_leaked() -> None:
         n = _hot.stats()["fast"] - f0
     assert n >= 50 * 2, n
     assert before == after
+
+
+def test_a_missing_accelerator_is_warned_once_and_reported(tmp_path: Any) -> None:
+    """Without the extension (no compiler at install time) the engine still gives eager's results
+    on the Python path, but says so: one warning per process, and a line in the report."""
+    code = textwrap.dedent("""
+        import logging, sys
+        sys.modules["adaptive_eager._hot"] = None  # as if it was never built: ImportError
+        import torch, adaptive_eager as ae
+        from adaptive_eager import report
+        from adaptive_eager.dispatch import mode
+        assert mode._hot is None and mode.ACCEL_MISSING.startswith("not built")
+        seen = []
+        class Keep(logging.Handler):
+            def emit(self, rec):
+                seen.append(rec.getMessage())
+        logging.getLogger("adaptive_eager").addHandler(Keep())
+        x = torch.arange(6.0)
+        want = (x * 2).sin() + 1
+        outs = []
+        for _ in range(3):  # three engines: still one warning
+            with ae.adaptive_eager(backend="replay", cache_dir=sys.argv[1], step_aside=False):
+                outs.append((x * 2).sin() + 1)
+        with ae.adaptive_eager(backend="replay", cache_dir=sys.argv[1], accel=False):
+            outs.append((x * 2).sin() + 1)
+        assert all(torch.equal(o, want) for o in outs)
+        warned = [m for m in seen if "C accelerator" in m]
+        assert len(warned) == 1 and "not built" in warned[0], seen
+        ae.api.write_run_log(ae.config.resolve({"cache_dir": sys.argv[1]}))
+        text = report.format_report(report.build_report(report.Path(sys.argv[1])))
+        assert "hot path: pure Python, the C accelerator is not built" in text, text
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

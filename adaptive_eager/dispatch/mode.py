@@ -54,6 +54,8 @@ class DeferMode(TorchDispatchMode):
             # Note [C accelerator] in _hot.c: torch calls C, which records the common case
             # itself and hands every other op to the method below (ADAPTIVE_EAGER_ACCEL=0: off)
             self.__torch_dispatch__ = MethodType(_hot.dispatch, self)
+        elif engine.options.accel:
+            _warn_no_accel()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         try:
@@ -144,10 +146,14 @@ _DROPOUT_AT.update({spec: 1 for spec in _NOOP_DROPOUTS})
 # read guard: it flushes and runs at once (the guard catches the call first while it is armed).
 _TO_COPY = spec_for(_aten._to_copy.default)
 
+# Why the C accelerator is absent ("" when it runs): the report and a warning say so, since
+# without it an op on a known trace costs about 20% more to record and replay (op_overhead, session 19).
+ACCEL_MISSING = ""
 try:  # the optional C accelerator (setup.py builds it where a compiler exists)
     from adaptive_eager import _hot
-except ImportError:
+except ImportError as _err:
     _hot = None
+    ACCEL_MISSING = f"not built ({_err})"
 if _hot is not None:
     from adaptive_eager.cache.memory import TrieNode
     from adaptive_eager.dispatch.opspec import OpSpec
@@ -174,6 +180,24 @@ if _hot is not None:
         logging.getLogger("adaptive_eager").warning(
             "adaptive_eager: the C accelerator did not start (%s); recording in Python", err)
         _hot = None
+        ACCEL_MISSING = f"did not start ({err})"
+_accel_warned = False
+
+
+def _warn_no_accel() -> None:
+    """Once per process: an engine asked for the C accelerator (the default) and has none."""
+    global _accel_warned
+    if _accel_warned:
+        return
+    _accel_warned = True
+    import logging
+
+    logging.getLogger("adaptive_eager").warning(
+        "adaptive_eager: the C accelerator (adaptive_eager._hot) is %s: recording runs in pure "
+        "Python, about 20% slower per op. Reinstall where a C compiler is present "
+        "(pip install --force-reinstall --no-deps adaptive_eager, or pip install -e . in a "
+        "checkout); ADAPTIVE_EAGER_ACCEL=0 asks for the Python path and silences this.",
+        ACCEL_MISSING)
 
 
 def _no_dropout(at: int, args: tuple, kwargs: dict) -> bool:
