@@ -195,7 +195,7 @@ def _warn_no_accel() -> None:
 
     logging.getLogger("adaptive_eager").warning(
         "adaptive_eager: the C accelerator (adaptive_eager._hot) is %s: recording runs in pure "
-        "Python, about 20% slower per op. Reinstall where a C compiler is present "
+        "Python, about 20%% slower per op. Reinstall where a C compiler is present "
         "(pip install --force-reinstall --no-deps adaptive_eager, or pip install -e . in a "
         "checkout); ADAPTIVE_EAGER_ACCEL=0 asks for the Python path and silences this.",
         ACCEL_MISSING)
