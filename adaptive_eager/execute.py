@@ -229,8 +229,8 @@ def publish(trace: Trace, env: list, check: bool, swap: bool = True) -> None:
             if inputs is None:
                 inputs = {id(t._ae_real if type(t) is LazyTensor else t) for t in trace.ext}
             if id(real) not in inputs:  # never turn a user's own tensor into a wrapper
-                became[id(real)] = w
-                become_real(w, real)
+                # refused (a weak reference to either impl): w stays lazy, real stays real
+                became[id(real)] = w if become_real(w, real) else real
 
 
 def poison(trace: Trace, err: BaseException) -> None:

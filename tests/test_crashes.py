@@ -266,7 +266,7 @@ def test_func_vmap_grad_jacrev_functional_call_bitwise() -> None:
     assert m["engine_errors"] == 0
 
 
-# ---- autograd features ----------------------------------------------------------------------------
+# ---- autograd features -----------------------------------------------------------------------
 
 class _Cube(torch.autograd.Function):
     @staticmethod
@@ -421,3 +421,56 @@ def test_inference_mode_dropout_sdpa_detach_do_not_cut_the_trace() -> None:
     reasons = ae.metrics()["flush_reasons"]
     assert not any(("dropout" in r or "scaled_dot" in r or "detach_" in r)
                    and not r.startswith("new_op:") for r in reasons), reasons
+
+
+# ---- the profiler (Note [lazy tensors become real] in lazy.py) ---------------------------------
+
+def test_profiler_record_shapes_with_adam_state_bitwise() -> None:
+    # record_shapes/profile_memory keep weak references to each TensorImpl, so turning a kept lazy
+    # tensor (Adam's state, a kept .grad) into a plain one was refused by torch and raised
+    from torch.profiler import ProfilerActivity, profile
+
+    def run() -> list:
+        model = _mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        x = torch.randn(5, 6)
+        outs = []
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                     profile_memory=True, with_stack=True):
+            for _ in range(4):
+                opt.zero_grad(set_to_none=False)
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                outs += [loss.item()] + [p.grad.clone() for p in model.parameters()]
+        for _ in range(2):  # the state objects kept lazy by the profiler still work after it
+            opt.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+            opt.step()
+        state = [v for s in opt.state.values() for v in s.values()]
+        return to_plain(outs + [p.detach() for p in model.parameters()] + state)
+
+    expected, got = eager_and_engine(run, step_aside=False)
+    assert_equal_tree(expected, got)
+
+
+def test_a_refused_swap_leaves_the_lazy_tensor_with_its_value() -> None:
+    from adaptive_eager.dispatch.lazy import LazyTensor, become_real
+
+    x = torch.ones(3)
+    ys = [torch.full((3,), float(i)) for i in range(4)]
+    kept, refs = [], []
+    with ae.adaptive_eager(backend="replay", step_aside=False, disk_cache=False):
+        for y in ys:  # the first run of an op is eager; later runs are deferred: lazy tensors
+            w = x.mul(y)
+            if type(w) is LazyTensor:
+                refs.append(torch._C._WeakTensorRef(w))  # what the profiler holds
+            kept.append(w)
+            ae.sync()  # the trace runs and publishes
+    assert refs, "the engine deferred nothing"
+    for w, y in zip(kept, ys):
+        assert torch.equal(w, y)
+    held = [w for w in kept if type(w) is LazyTensor]
+    assert len(held) == len(refs)  # each one a weak reference kept lazy, with its value
+    assert become_real(held[0], torch.zeros(3)) is False  # refused, nothing changed
+    assert type(held[0]) is LazyTensor and torch.equal(held[0], kept[len(kept) - len(held)])

@@ -158,7 +158,7 @@ _swap_impl = torch._C._swap_tensor_impl
 _LAZY_ATTRS = ("_ae_real", "_ae_trace", "_ae_slot", "_ae_meta", "_ae_error")
 
 
-def become_real(w: LazyTensor, real: torch.Tensor) -> None:
+def become_real(w: LazyTensor, real: torch.Tensor) -> bool:
     """Note [lazy tensors become real]
     A lazy tensor the program keeps (optimizer state, a running statistic, a cached mask) would
     otherwise stay a Python subclass for the rest of the process: every later op on it, also
@@ -167,8 +167,14 @@ def become_real(w: LazyTensor, real: torch.Tensor) -> None:
     (``_use_count() == 1``: no autograd node saved it, no ``.grad`` slot points at it) and that
     needs no autograd metadata (``requires_grad`` False) swaps its TensorImpl with its value's, as
     ``torch.utils.swap_tensors`` does: the user's object is now a plain tensor, same identity.
-    The value's old Python object gets the wrapper and stands for ``w`` from then on."""
-    _swap_impl(w, real)
+    The value's old Python object gets the wrapper and stands for ``w`` from then on.
+    A weak reference to either TensorImpl (the profiler's ``record_shapes``/``profile_memory``
+    keep them) makes the swap refuse before it changes anything: ``w`` then stays lazy with its
+    value set, and False says so."""
+    try:
+        _swap_impl(w, real)
+    except RuntimeError:
+        return False
     w.__class__, real.__class__ = torch.Tensor, LazyTensor
     d = w.__dict__
     real._ae_trace, real._ae_slot, real._ae_meta = d["_ae_trace"], d["_ae_slot"], d["_ae_meta"]
@@ -176,6 +182,7 @@ def become_real(w: LazyTensor, real: torch.Tensor) -> None:
     real._ae_real = w
     for k in _LAZY_ATTRS:
         d.pop(k, None)
+    return True
 
 
 def materialize(t: LazyTensor) -> torch.Tensor:
