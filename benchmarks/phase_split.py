@@ -2,6 +2,7 @@
 
     python -m benchmarks.phase_split [--size small|mid] [--steps 60] [--skip 20]
                                      [--backend replay|inductor] [--compile] [--threads 1]
+                                     [--fused-only]
 
 The varlen GPT-2 training step (``benchmarks.varlen``'s model, batches and AdamW foreach) runs
 in one process twice, plain eager and then under the engine with stepping aside off, and each
@@ -20,7 +21,9 @@ The default backend is ``replay`` (no compile: the recording phases do not depen
 (``ADAPTIVE_EAGER_COMPILE_ASYNC=0``, inside the skipped steps), so the flush column is the fused
 program's. The engine's cache folder and Inductor's are fresh temporary ones unless
 ``ADAPTIVE_EAGER_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` are set. Medians over the steps
-after ``--skip``.
+after ``--skip``; with ``--fused-only``, the engine's medians are over those of them in which a
+fused program ran (a hot trace's decision runs it op by op a few times to measure, and with
+symbolic sizes again at new sizes: those steps say what replay costs, not the program).
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ from typing import Any
 PHASES = ("forward", "backward", "optimizer", "flush", "item")
 
 
-def _run(engine: bool, size: str, steps: int, skip: int) -> tuple[list[float], list[float]]:
-    """Median ms of each phase over steps after ``skip``, and every step's loss."""
+def _run(engine: bool, size: str, steps: int, skip: int,
+         fused_only: bool = False) -> tuple[list[float], list[float], int]:
+    """Median ms of each phase over steps after ``skip``, every step's loss, and how many steps
+    were timed. ``fused_only``: time only the steps in which a fused program ran (not the
+    engine's op-by-op measuring runs of a hot trace, which a decision may still be taking)."""
     import torch
 
     import adaptive_eager
@@ -64,6 +70,7 @@ def _run(engine: bool, size: str, steps: int, skip: int) -> tuple[list[float], l
     try:
         with ctx:
             for i, ids in enumerate(batches):
+                runs0 = adaptive_eager.metrics()["compiled_runs"] if fused_only else 0
                 flushed[0] = 0.0
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
@@ -75,12 +82,17 @@ def _run(engine: bool, size: str, steps: int, skip: int) -> tuple[list[float], l
                 t3, f3 = time.perf_counter(), flushed[0]
                 losses.append(loss.detach().item())
                 t4, f4 = time.perf_counter(), flushed[0]
+                if fused_only and adaptive_eager.metrics()["compiled_runs"] == runs0:
+                    continue
                 if i >= skip:  # each phase less the flushes inside it, which have their column
                     rows.append((t1 - t0 - f1, t2 - t1 - (f2 - f1), t3 - t2 - (f3 - f2), f4,
                                  t4 - t3 - (f4 - f3)))
     finally:
         Engine.flush = real_flush  # type: ignore[method-assign]
-    return [statistics.median(c) * 1e3 for c in zip(*rows)], losses
+    if not rows:
+        raise SystemExit("phase_split: no step was timed (with --fused-only: no fused program "
+                         "ran after --skip; more --steps, or a hot_after the run reaches)")
+    return [statistics.median(c) * 1e3 for c in zip(*rows)], losses, len(rows)
 
 
 def _run_compiled(size: str, steps: int, skip: int) -> tuple[float, list[float]]:
@@ -131,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true",
                    help="also time torch.compile of the whole step in this process")
+    p.add_argument("--fused-only", action="store_true",
+                   help="engine: time only steps in which a fused program ran (not a decision's "
+                        "op-by-op measuring runs)")
     args = p.parse_args(argv)
     if args.skip >= args.steps:
         p.error(f"--skip {args.skip} leaves no timed step of --steps {args.steps}")
@@ -145,15 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    eager, eager_losses = _run(False, args.size, args.steps, args.skip)
-    engine, engine_losses = _run(True, args.size, args.steps, args.skip)
+    eager, eager_losses, _ = _run(False, args.size, args.steps, args.skip)
+    engine, engine_losses, n_engine = _run(True, args.size, args.steps, args.skip,
+                                           args.fused_only)
     diff = max(abs(a - b) for a, b in zip(eager_losses, engine_losses))
     compile_ms = None
     if args.compile:
         compile_ms, compiled_losses = _run_compiled(args.size, args.steps, args.skip)
         diff_c = max(abs(a - b) for a, b in zip(eager_losses, compiled_losses))
+    timed = ("" if n_engine == args.steps - args.skip else
+             f"; engine: the {n_engine} of them in which a fused program ran")
     print(f"GPT-2 {args.size} varlen step, {args.steps} steps (median of the last "
-          f"{args.steps - args.skip}), backend {args.backend}, ms:\n")
+          f"{args.steps - args.skip}{timed}), backend {args.backend}, ms:\n")
     print(table(eager, engine, compile_ms))
     print(f"max loss difference against eager: engine {diff:.3g}"
           + (f", torch.compile {diff_c:.3g}" if args.compile else ""))
