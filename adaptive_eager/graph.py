@@ -383,7 +383,9 @@ def _tensor_inputs(plan: list[tuple], reals: list[torch.Tensor]) -> list[torch.T
         else:
             if _storage_numel(t) != item[2]:
                 return None
-            out.append(t.as_strided((item[2],), (1,), 0))
+            # detached: a no_grad view whose base was written in place with grad on would make
+            # autograd refuse this view (the program runs below autograd anyway)
+            out.append(t.detach().as_strided((item[2],), (1,), 0))
     return out
 
 
