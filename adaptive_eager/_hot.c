@@ -1,4 +1,4 @@
-/* adaptive_eager._hot: the engine's per-op hot path in C (issue 13), CPython API only.
+/* adaptive_eager._hot: the engine's per-op hot path in C, CPython API only.
  *
  * Note [C accelerator]
  * A recorded op on a known trace spends about 13k instructions in the engine's own Python

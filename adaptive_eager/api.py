@@ -53,7 +53,7 @@ _generation = 0  # bumped by clear_caches(): every thread's standing presence is
 # keywords), the thread's engine is kept while the options stay the same, the logger is set only
 # when its level changes, and the run log is written at the first exit, then at most once per
 # RUN_LOG_EVERY_S, and at process exit.
-# Session 7 (issue 13's context loop, 1.19x eager): the environment is still checked at every
+# The context loop (once 1.19x eager): the environment is still checked at every
 # context, exactly, but against the last resolution only (``_last``), with no tuple built or
 # hashed. Keys are only ever added to a dict at its end (insertion order), and os.environ stores
 # a fresh bytes object per key set, so "no key was added or re-added since" holds while

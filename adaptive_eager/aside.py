@@ -20,7 +20,7 @@ eager (E, G, E, G, ...) until each side has ``TRIAL_TICKS`` of them, and the eng
 the median of the pairs' ratios (engine round / the eager round after it) is under
 ``TRIAL_MARGIN``. Timing the two sides in separate phases (8 engine rounds, then 8 eager ones)
 mis-decided on a loaded machine, where load changes over seconds: mid-size Llama kept an engine
-that ran 0.73x eager (issue 13); alternating rounds see the same load, as Note [paired timing]
+that ran 0.73x eager; alternating rounds see the same load, as Note [paired timing]
 does for keep decisions. A round is the time between two ticks: the ends of optimizer steps,
 or, in programs without an optimizer, the ends of outermost ``nn.Module`` calls, contexts, or
 syncs (Note [syncs are rounds]). A probe after ``probe_every`` rounds aside

@@ -11,7 +11,7 @@ op's argument tuple, its output wrapper and that wrapper's weak reference): the 
 under the engine peaked above 700 every step, collected its young generation 0.95 times a step
 and, from the survivors, a full collection of the 500k objects torch and transformers leave
 tracked every ~400 steps, 230-240 ms each: 0.76 ms a step in all, 6% of the warm step
-(``gc.callbacks`` timing, /tmp scripts of session 14, 400 steps).
+(``gc.callbacks`` timing, 400 steps).
 
 So while this thread's engine has its modes pushed, the young threshold is raised above what a
 full trace keeps alive (700 + 3 per op of ``max_trace_ops``, at most 50,000): the objects of a

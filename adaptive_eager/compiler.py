@@ -1437,7 +1437,7 @@ class CompileManager:
         the medians of those pairs. Comparing fused runs with op-by-op runs timed in an earlier
         phase (before and during the compile) mis-decided on a loaded machine: a mid-size GPT-2
         step's program, about 20% faster when timed alternately, was dropped as "not faster"
-        (issue 13). The alternation is a function of run counts only, so ranks of one job
+        The alternation is a function of run counts only, so ranks of one job
         alternate alike (Note [ranks agree]). Op-by-op runs are bitwise eager; fused ones within
         tolerance, as at any time while a program is measured."""
         if len(entry.paired_s) >= _measure_runs(entry):
@@ -1560,7 +1560,7 @@ class CompileManager:
         A program that is ready but still being measured is undecided as well: counting only
         compiles let the estimate step aside on a mid-size GPT-2 step's 18-op trace alone ("1
         traces measured") while its 464-op step program, loaded from disk, was still being
-        timed, so that program never ran again (issue 13). A measuring trace that stops running (a shape seen
+        timed, so that program never ran again. A measuring trace that stops running (a shape seen
         once) counts only for MEASURING_STALE_FLUSHES flushes after it was first seen so."""
         from adaptive_eager.cache.memory import TRIE
 

@@ -140,34 +140,34 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("workers", "ADAPTIVE_EAGER_WORKERS", _parse_bool, False,
             "Keep the engine in DataLoader worker processes (default: workers run plain "
             "eager, Note [worker processes])."),
-    # issue 12: the compile service (Note [compile service] in service.py)
+    # the compile service (Note [compile service] in service.py)
     Setting("compile_service", "ADAPTIVE_EAGER_COMPILE_SERVICE", _parse_bool, True,
             "Compile in the per-user compile service of the cache folder, shared by processes, "
             "so compiles finish after the program exits (off: a helper of this process)."),
     Setting("service_idle_s", "ADAPTIVE_EAGER_SERVICE_IDLE_S", _int_in(1, 86_400), 120,
             "Seconds the compile service waits with nothing to do before it exits."),
-    # issue 13: the read guard armed only while needed (Note [read guard] in dispatch/mode.py)
+    # the read guard armed only while needed (Note [read guard] in dispatch/mode.py)
     Setting("lazy_guard", "ADAPTIVE_EAGER_LAZY_GUARD", _parse_bool, True,
             "Put the read guard (a TorchFunctionMode) on the mode stack only while a real tensor "
             "has pending writes or inside torch.func transforms (off: on every torch call)."),
-    # issue 13: the C accelerator of the hot path (Note [C accelerator] in _hot.c)
+    # the C accelerator of the hot path (Note [C accelerator] in _hot.c)
     Setting("accel", "ADAPTIVE_EAGER_ACCEL", _parse_bool, True,
             "Record ops on known traces with the C accelerator (adaptive_eager._hot, built by "
             "pip install when a C compiler is present; without it the engine warns once). Off: "
             "the pure-Python path."),
-    # issue 13: the young generation's threshold while recording (Note [young collections])
+    # the young generation's threshold while recording (Note [young collections])
     Setting("gc_headroom", "ADAPTIVE_EAGER_GC_HEADROOM", _parse_bool, True,
             "While the engine records, raise the garbage collector's young-generation threshold "
             "(when it is the interpreter's default) above what a pending trace keeps alive, so "
             "deferred ops do not set off collections (off: the threshold is left alone)."),
-    # issue 16: the opt-in remote program store (cache/remote.py reads these two)
+    # the opt-in remote program store (cache/remote.py reads these two)
     Setting("remote_cache", "ADAPTIVE_EAGER_REMOTE_CACHE", _parse_redis_url, "",
             "A Redis store shared by machines, redis://host:port/db (unset: none); needs "
             "ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE."),
     Setting("remote_cache_key_file", "ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE", _parse_str, "",
             "A private file (0600, yours, at least 32 bytes) holding the secret that signs "
             "remote entries; the same file on every machine."),
-    # issue 15: variable shapes (Note [symbolic dims] in shapes.py)
+    # variable shapes (Note [symbolic dims] in shapes.py)
     Setting("symbolic_dims", "ADAPTIVE_EAGER_SYMBOLIC_DIMS", _parse_bool, True,
             "Learn which dimensions vary (one trace for every sequence length) and keep what "
             "was learnt in the disk cache (off: every new size is a new trace)."),
@@ -207,15 +207,15 @@ class Options:
     step_flush: bool = True
     probe_every: int = 2000
     workers: bool = False
-    compile_service: bool = True  # issue 12
-    service_idle_s: int = 120  # issue 12
-    remote_cache: str = ""  # issue 16
-    remote_cache_key_file: str = ""  # issue 16
-    lazy_guard: bool = True  # issue 13
-    accel: bool = True  # issue 13, the C accelerator
-    gc_headroom: bool = True  # issue 13, Note [young collections]
-    symbolic_dims: bool = True  # issue 15
-    symbolic_programs: bool = False  # issue 15 stage 2 (GPT-2's step still specializes)
+    compile_service: bool = True
+    service_idle_s: int = 120
+    remote_cache: str = ""
+    remote_cache_key_file: str = ""
+    lazy_guard: bool = True
+    accel: bool = True  # the C accelerator
+    gc_headroom: bool = True  # Note [young collections]
+    symbolic_dims: bool = True
+    symbolic_programs: bool = False  # dynamic-size programs (GPT-2's step still specializes)
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,

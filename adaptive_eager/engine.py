@@ -171,7 +171,7 @@ def _flush_before_handoff(reason: str) -> None:
 # key, trie step and bookkeeping about 6k; the other 20k are torch's (eager's op, the dispatch
 # to the mode, which builds the attribute name string anew per op, its dispatch-rule lookup,
 # boxing, the output's deallocation and __torch_function__ lookups): C cannot reach them.
-# First uses of externals moved to C in session 8 (Note [first uses in C] in _hot.c): about
+# First uses of externals moved to C (Note [first uses in C] in _hot.c): about
 # 14.5k instructions each, nearly all torch's Python-level getters (layout, is_quantized,
 # is_nested, device, shape, stride(), storage_offset(), is_conj(), is_neg(), the storage's
 # data_ptr()).

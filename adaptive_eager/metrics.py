@@ -59,7 +59,7 @@ class Metrics:
         self.compile_waits = 0  # times the engine ran plain eager while a compile was in flight
         self.layout_fixes = 0
         self.helper_errors = 0  # the compile helper process failed; compiles moved in-process  # fused outputs copied into the strides eager gives them
-        # issue 12, where the time to a fused program went (Note [compile service])
+        # where the time to a fused program went (Note [compile service])
         self.service_errors = 0  # the compile service could not be used; compiled here instead
         self.service_compiles = 0  # compiles the service ran for this process
         self.service_shared = 0  # answered by the service from another request or from disk
@@ -68,7 +68,7 @@ class Metrics:
         self.compile_wait_seconds = 0.0  # from a trace's submit to its program being ready
         self.prefetched = 0  # programs loaded at engine start (hot in earlier runs)
         self.service_pending = 0  # compiles the service is running for us (they outlive us)
-        # issue 15, Note [symbolic dims] in shapes.py
+        # Note [symbolic dims] in shapes.py
         self.sym_learned = 0  # templates fitted in this process (one trace for every size)
         self.sym_loaded = 0  # templates learnt by an earlier process, read from the disk cache
         self.sym_ops = 0  # recorded ops whose output metadata came from a fitted formula

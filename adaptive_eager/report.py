@@ -66,7 +66,7 @@ def summarize_run(records: list[dict]) -> dict:
         "start": head.get("start"), "end": head.get("end"),
         "compiled_runs": m.get("compiled_runs", 0),
         "dist": head.get("dist"), "remote": head.get("remote"),
-        # issue 15, Note [symbolic dims]: which dims were made symbolic, where, traces served
+        # Note [symbolic dims]: which dims were made symbolic, where, traces served
         "sym": {k: m.get(k, 0) for k in ("sym_learned", "sym_loaded", "sym_hits", "sym_ops",
                                          "sym_left", "sym_mispredicted", "sym_programs",
                                          "sym_checked", "sym_sizes_loaded", "sym_trusted",
@@ -180,7 +180,7 @@ def _format_run(r: dict) -> list[str]:
            f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x, "
            f"plain eager while compiling {r.get('compile_waits', 0)}x"]
     if r.get("compiles") or r.get("disk_hits") or r.get("service_pending"):
-        # issue 12: where the time to a fused program went
+        # where the time to a fused program went
         line = (f"  time to fused: queued {r.get('queued_seconds', 0.0)} s, compiling "
                 f"{r['compile_seconds']} s, loading {r.get('load_seconds', 0.0)} s, waited "
                 f"{r.get('wait_seconds', 0.0)} s in all")

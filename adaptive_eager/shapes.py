@@ -1,4 +1,4 @@
-"""Symbolic dimensions: one trie path for every value of a varying size (issue 15).
+"""Symbolic dimensions: one trie path for every value of a varying size.
 
 Note [symbolic dims]
 A trace key holds concrete sizes (an external tensor's metadata, the ints of ``view`` sizes,

@@ -1,4 +1,4 @@
-"""The C accelerator of the hot path (issue 13, Note [C accelerator] in adaptive_eager/_hot.c).
+"""The C accelerator of the hot path (Note [C accelerator] in adaptive_eager/_hot.c).
 
 The C path and the pure-Python path (``accel=False``, ``ADAPTIVE_EAGER_ACCEL=0``) must record the
 same traces, op for op: the same trie keys, arguments with the same Slot markers, the same
@@ -1082,7 +1082,7 @@ def test_attention_without_dropout_and_dtype_copies_record_in_c(
 @needs_hot
 @needs_accel_on
 def test_the_policy_object_is_not_leaked() -> None:
-    """The policy read for each op recorded in C is released (review of session 8: one reference
+    """The policy read for each op recorded in C is released (once one reference
     to ``opspec.DEFER`` leaked per op; harmless for a small int, a leak all the same)."""
     from adaptive_eager.dispatch import opspec
 

@@ -494,7 +494,7 @@ def _request_aside() -> Any:
 
 def test_pending_step_aside_keeps_reads_and_mode_stack_right(
         cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review of session 9: with a step-aside pending, ``tolist`` of a real tensor with a pending
+    """With a step-aside pending, ``tolist`` of a real tensor with a pending
     write must see the write (the read guard knows tolist by identity), and a sync inside an
     autograd node must not step aside there (autograd puts the mode stack back after it). The
     syncs are the only safe points here (tests/test_profile_point.py has the other)."""

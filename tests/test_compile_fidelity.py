@@ -1,4 +1,4 @@
-"""Compiling never changes what the program sees (issue 10, compiler side; issue 11 findings 6-7).
+"""Compiling never changes what the program sees (compiler side).
 
 Each reproducer of /work/shared/repros that the compiler caused becomes a test here: the RNG
 stream and torch.fx's globals untouched by in-process compiles, two threads with two engines,
@@ -420,7 +420,7 @@ def test_fused_adamw_compiles_and_matches_eager(cache_dir: Path) -> None:
         _close(a, b)
 
 
-# ---- exit and SIGINT (issue 11 finding 6) -----------------------------------------------------
+# ---- exit and SIGINT ----------------------------------------------------------------------------------
 _PENDING = textwrap.dedent("""
     import os, sys, torch
     import adaptive_eager as ae
@@ -527,7 +527,7 @@ def test_sigint_under_the_engine_exits_as_python_does(tmp_path: Path, cache_dir:
     assert "KeyboardInterrupt" in err
 
 
-# ---- Note [persisted decisions] (issue 11 finding 7) ------------------------------------------
+# ---- Note [persisted decisions] -------------------------------------------------------------
 def _loop(steps: int = 8) -> torch.Tensor:
     x = torch.arange(12.0).reshape(3, 4)
     out = x

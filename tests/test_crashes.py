@@ -1,6 +1,6 @@
 """Features real programs combine with eager, under the engine: no crash, eager's results.
 
-Each reproducer of issue 10's dispatch-side crashes, and the features around them (LSTM,
+Each reproducer of the dispatch-side crashes, and the features around them (LSTM,
 inference_mode/no_grad generation with a KV cache, torch.func, autograd.Function, checkpoint,
 hooks, gradient accumulation, clip_grad_norm_, attention without dropout). Op by op
 (``backend="replay"``) results are compared bitwise with plain eager. Code that used to kill the

@@ -1,4 +1,4 @@
-"""Distributed training under the engine (issue 16): gloo on 127.0.0.1, CPU, 2 ranks by default.
+"""Distributed training under the engine: gloo on 127.0.0.1, CPU, 2 ranks by default.
 
 Every multi-process check runs in a subprocess with a hard timeout (``subprocess.run(timeout=)``
 kills the whole process group on expiry), so a hang fails the test instead of holding the suite.
@@ -154,7 +154,7 @@ def _engine_info() -> dict:
     try:
         from adaptive_eager import distributed as aed
         dist_stats = aed.stats()
-    except ImportError:  # an engine from before issue 16 (the before/after measurement)
+    except ImportError:  # an engine without distributed support (the before/after measurement)
         dist_stats = {}
     m = ae.metrics()
     return {"metrics": {k: m[k] for k in ("ops_deferred", "compiled_runs", "replayed_runs",

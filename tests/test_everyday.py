@@ -1,5 +1,5 @@
-"""Everyday features an OpInfo sweep does not reach, found by a sweep of common programs
-(session 8): storage sharing (``Module.share_memory()``, torch.multiprocessing), packed sequences
+"""Everyday features an OpInfo sweep does not reach, found by a sweep of common programs:
+storage sharing (``Module.share_memory()``, torch.multiprocessing), packed sequences
 for RNNs, and ops whose outputs share their input's storage without saying so."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How many programs a generation loop compiles (issue 15: at most 3 per run; Note [rare
+"""How many programs a generation loop compiles (at most 3 per run; Note [rare
 traces] in adaptive_eager/compiler.py). A KV-cache decode loop makes one symbolic trace per
 token, plus traces that run once per call (the prefill, the first decode step whose cache is
 the prefill's transposed view, a set-up check): only the decode trace may compile.

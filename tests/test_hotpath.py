@@ -1,4 +1,4 @@
-"""The per-op hot path (issue 13): what its shortcuts must keep equal to eager and to the slow path.
+"""The per-op hot path: what its shortcuts must keep equal to eager and to the slow path.
 
 Shortcuts under test: trace keys start with the op's OpSpec (digests unchanged), the dispatch mode
 reads the spec off the op, lazy tensors take class defaults, ops without kwargs share one empty

@@ -1,4 +1,4 @@
-"""Review findings left as LOW (session 12): each fixed with a test that failed before."""
+"""Review findings rated LOW: each fixed with a test that failed before."""
 
 from __future__ import annotations
 

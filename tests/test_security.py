@@ -1,4 +1,4 @@
-"""The cache folder is a trust boundary (issue 11): one test per finding, tried as an attacker.
+"""The cache folder is a trust boundary: one test per finding, tried as an attacker.
 
 Planted pickles write a marker file when unpickled: the marker must never appear, and results stay
 those of plain eager. Cases with another local user run as root, with a throwaway user this file

@@ -1,4 +1,4 @@
-"""Symbolic dimensions (issue 15, Note [symbolic dims] in adaptive_eager/shapes.py).
+"""Symbolic dimensions (Note [symbolic dims] in adaptive_eager/shapes.py).
 
 Every test runs the same function in plain eager first and then under the engine (op by op,
 ``backend="replay"``, metadata checks on) for several sequence lengths, and compares each

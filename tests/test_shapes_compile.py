@@ -1,4 +1,4 @@
-"""Dynamic-size programs for symbolic traces (issue 15 stage 2, Note [symbolic programs] in
+"""Dynamic-size programs for symbolic traces (Note [symbolic programs] in
 adaptive_eager/graph.py): a hot template trace compiles once into one Inductor program that
 serves every value of s; the first fused run at each new size is checked against op-by-op
 replay until SYM_CHECKED_SIZES sizes agreed, then a new size runs the program directly if the

@@ -81,7 +81,7 @@ class InductorBackend:
                 # the fakes' own mode, through a tracing context: ``from_graph`` took it from
                 # the outputs' example values, and a graph with no tensor output (in-place
                 # writes only) got a fresh ShapeEnv whose first unbacked float was zuf0 again
-                # ("possible memo disaster" in rebind_unbacked; helper C's finding, session 8)
+                # ("possible memo disaster" in rebind_unbacked)
                 mode = next((f.fake_mode for f in fakes if hasattr(f, "fake_mode")), None)
                 if mode is None:  # a bare StopIteration would escape the generator context
                     raise RuntimeError("a dynamic-size graph without tensor inputs")

@@ -50,7 +50,7 @@ def stable_repr(key: Any) -> str:
 
 
 class TraceEntry:
-    """A trace that has ended at least once, with its statistics and (issue 3) its program."""
+    """A trace that has ended at least once, with its statistics and its program."""
 
     __slots__ = ("digest", "runs", "hits", "n_ops", "node", "state", "program", "program_live",
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",

@@ -147,8 +147,7 @@ _DROPOUT_AT.update({spec: 1 for spec in _NOOP_DROPOUTS})
 _TO_COPY = spec_for(_aten._to_copy.default)
 
 # Why the C accelerator is absent ("" when it runs): the report and a warning say so, since
-# without it an op on a known trace costs about 20% more to record and replay (op_overhead,
-# session 19).
+# without it an op on a known trace costs about 20% more to record and replay (benchmarks.op_overhead).
 ACCEL_MISSING = ""
 try:  # the optional C accelerator (setup.py builds it where a compiler exists)
     from adaptive_eager import _hot
