@@ -1,4 +1,4 @@
-"""DDP benchmark (issue 16): 2 gloo ranks on 127.0.0.1, the mid-size GPT-2 training step.
+"""DDP benchmark: 2 gloo ranks on 127.0.0.1, the mid-size GPT-2 training step.
 
 Modes, each a fresh job of ``--ranks`` processes started by torch.multiprocessing.spawn:
   eager          plain DDP

@@ -9,7 +9,7 @@ programs only, its fixed 16-element outputs would break the module's autograd), 
 recording and replay timed apart) and on a miss (first sight of every op, after
 ``adaptive_eager.clear_caches()``). The paths are measured in interleaved rounds, so load from other
 work spreads over all of them; the table gives the median and the best repetition. Prints the
-table, issue 13's targets with their measured ratios, and writes op_overhead.json and
+table, the per-op targets with their measured ratios, and writes op_overhead.json and
 op_overhead.md to the out directory.
 """
 
@@ -88,7 +88,7 @@ MLP_WIDTH, MLP_BATCH = 128, 64
 
 
 def mlp_fb_program(device: torch.device) -> Program:
-    """LayerNorm-Linear-GELU-Linear, forward and backward (issue 13's module workload)."""
+    """LayerNorm-Linear-GELU-Linear, forward and backward (the module workload)."""
     torch.manual_seed(0)
     d = MLP_WIDTH
     model = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d),
@@ -470,13 +470,13 @@ def markdown(header: dict[str, Any], rows: list[Row]) -> str:
         ops = "" if r.ops_per_rep is None else f"{r.ops_per_rep:g}"
         out.append(f"| {r.program} | {r.path} | {_fmt(r.us_per_op)} | {_fmt(r.best_us_per_op)} | "
                    f"{ratio} | {ops} | {r.reps} | {r.note.replace('|', '/')} |")
-    out += ["", "## Issue 13 targets (ratio to eager's per-op time: best / median)", "",
+    out += ["", "## Per-op targets (ratio to eager's per-op time: best / median)", "",
             "| program | path | target | best | median | met (best) |", "|---|---|---|---|---|---|"]
     out += [f"| {t[0]} | {t[1]} | {t[2]:g}x | {t[3]} | {t[4]} | {t[5]} |" for t in targets(rows)]
     return "\n".join(out) + "\n"
 
 
-# Issue 13's per-op targets: (program, path, most x eager)
+# The per-op targets: (program, path, most x eager)
 TARGETS = (("add16", "adaptive_eager hit: record", 3.5), ("mix", "adaptive_eager hit: record", 2.0),
            ("add16", "adaptive_eager hit: total", 5.0), ("mix", "adaptive_eager hit: total", 3.0),
            ("mlp_fb", "adaptive_eager hit: total", 2.0))
@@ -512,7 +512,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "interleaved rounds (e.g. --also lazy_guard=0: the always-armed read "
                         "guard); repeatable")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (1, as issue 13's table: matmul threads spinning "
+                   help="torch intra-op threads (1, as the targets' table: matmul threads spinning "
                         "on a shared machine make per-op times noise)")
     return p.parse_args(argv)
 

@@ -1,4 +1,4 @@
-"""Workloads in the shape of real training programs (issue 14), written here, no downloads.
+"""Workloads in the shape of real training programs written here, no downloads.
 
 ``char_gpt``: a character-level GPT in plain PyTorch (nanoGPT/minGPT shape: token + position
 embeddings, 2 pre-LayerNorm blocks of causal self-attention and a GELU MLP, width 64, block 32,

@@ -71,7 +71,7 @@ def aside_check(args: argparse.Namespace, cache: str) -> int:
     trial) until it has stepped aside or kept the engine; B never sees the engine. Then steps
     of A and B alternate (A's inside the context, aside or not; then both outside it): state
     the engine left on A's tensors would make A slower than B, process-wide leftovers (hooks,
-    threads, helpers busy) would slow both against the eager steps before (issue 13)."""
+    threads, helpers busy) would slow both against the eager steps before."""
     import adaptive_eager as ae
     from adaptive_eager import api
 
@@ -113,7 +113,7 @@ def aside_check(args: argparse.Namespace, cache: str) -> int:
 
 
 def paired(args: argparse.Namespace, cache: str) -> int:
-    """Engine against eager in one process, steps interleaved (issue 13's mid-size target on a
+    """Engine against eager in one process, steps interleaved (the mid-size targets on a
     shared machine, where separate processes see different load): plain eager; the engine with
     its own decisions (default backend, compiles waited for, stepping aside off, so the engine
     itself is measured); and op-by-op replay (backend="replay"). After warming each, rounds of

@@ -1,4 +1,4 @@
-"""Time to fast: seconds until a fresh process runs a fused program (issue 12).
+"""Time to fast: seconds until a fresh process runs a fused program.
 
     python -m benchmarks.time_to_fast [--out DIR] [--elements N] [--timeout S]
 
@@ -8,7 +8,7 @@ compile service, an empty Inductor kernel folder inside it) and then with that f
 For torch.compile: the seconds of the compiled function's first call, with its own fresh
 Inductor cache folder (cold) and then that folder again (warm). Both also as seconds from the
 start of the script (imports included). Workloads: the 9-op elementwise chain (1M elements)
-and a training step (MLP 32-64-8 + AdamW, as the 12-step script of issue 12). Last, that
+and a training step (MLP 32-64-8 + AdamW, as the 12-step script below). Last, that
 12-step script under ``ADAPTIVE_EAGER=1`` twice with a pause between (until the service is
 idle): how many steps of each run ran fused, and what the second run compiled.
 """

@@ -1,4 +1,4 @@
-"""Variable shapes (issue 15): a training step whose sequence length changes every step, and
+"""Variable shapes: a training step whose sequence length changes every step, and
 ``generate()`` with a growing KV cache.
 
     python -m benchmarks.varlen [--workloads train,generate]
@@ -27,8 +27,8 @@ nothing (so every program, template and checked size is on disk); then a fresh p
 it paired with plain eager as ``engine_paired`` does, also with stepping aside off
 (``ADAPTIVE_EAGER_STEP_ASIDE=0``), so every timed engine step runs through the engine (fused
 where a program was loaded). The row carries the priming processes' compiles (``compiles``
-counts those of the compile service too: session 7's figures added ``service_compiles`` to it
-and so counted each twice), the op counts of the programs in the cache folder after each, and
+counts those of the compile service too: figures before 2026-12-02 added ``service_compiles``
+to it and so counted each twice), the op counts of the programs in the cache folder after each, and
 the symbolic programs' counters (sizes checked, trusted by their guards, refused by them,
 loaded from disk). ``--cases`` runs a subset of the generate cases (one at a time keeps the
 load down).
@@ -42,7 +42,7 @@ flight), ``trial`` or ``in the engine``.
 - ``train``: Hugging Face ``GPT2LMHeadModel`` from a config (2 layers, width 64, 2 heads, vocab
   256, no dropout), batch 8, the sequence length drawn uniformly from 16..64 per step (one fixed
   seed, the same lengths in every mode), AdamW foreach. ``--size mid``: 4 layers, width 256, 4
-  heads, vocab 2048 (issue 13's mid-size GPT-2), the length drawn from 64..128. Per mode:
+  heads, vocab 2048 (the benchmark suite's mid-size GPT-2), the length drawn from 64..128. Per mode:
   median ms per step after the first 10 steps, and for the engine the trace hit rate after the
   first 10 steps (flushes that matched a known trace / all flushes), flushes per step, compiles
   over the run, and how many ops ran inside fused programs. Losses are checked against eager's at
@@ -69,8 +69,8 @@ from typing import Any
 
 _STEPS_SKIP = 10  # steps before the hit rate and the per-step time are counted
 
-# The training workload's sizes (``--size``): ``small`` is issue 15's model; ``mid`` is issue
-# 13's mid-size GPT-2 (benchmarks.workloads) with its sequence length drawn per step instead
+# The training workload's sizes (``--size``): ``small`` is the launch-bound model; ``mid`` is
+# the suite's mid-size GPT-2 (benchmarks.workloads) with its sequence length drawn per step instead
 # of fixed at 128, where fusion has work to save.
 TRAIN_SIZES: dict[str, dict[str, Any]] = {
     "small": {"width": 64, "layers": 2, "heads": 2, "vocab": 256, "lengths": (16, 64)},
@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="eager,engine,engine_warm,engine_on,torch_compile")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--size", default="small", choices=sorted(TRAIN_SIZES),
-                   help="train: the model and its length range (small: issue 15's GPT-2, "
+                   help="train: the model and its length range (small: the launch-bound GPT-2, "
                         "2x64, seq 16-64; mid: 4x256, vocab 2048, seq 64-128)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="timed generations per case")

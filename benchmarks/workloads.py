@@ -123,7 +123,7 @@ def build_adamw_foreach(size: str, device: torch.device) -> Bench:
 # ---- tiny Llama training step (transformers, built from a config, no downloads) ------------
 _LLAMA = {  # hidden, intermediate, layers, heads, kv heads, vocab, batch, seq
     "small": (64, 128, 2, 4, 2, 512, 4, 32),
-    "mid": (256, 688, 4, 4, 4, 2048, 8, 128),  # the GPT-2 step's size (issue 13)
+    "mid": (256, 688, 4, 4, 4, 2048, 8, 128),  # the GPT-2 step's size
     "large": (256, 688, 4, 8, 4, 2048, 8, 128),
 }
 
@@ -158,7 +158,7 @@ def _lm_train_bench(model: torch.nn.Module, vocab: int, batch: int, seq: int,
 
 
 # ---- mid-size GPT-2 training step (transformers, from a config, no downloads) --------------
-# width, layers, heads, vocab, batch, seq; ``small`` is issue 15's launch-bound model
+# width, layers, heads, vocab, batch, seq; ``small`` is the launch-bound model
 # (benchmarks.varlen's) at its longest length
 _GPT2 = {"small": (64, 2, 2, 256, 8, 64), "mid": (256, 4, 4, 2048, 8, 128)}
 
@@ -181,7 +181,7 @@ _CTX = {"small": (200, 16)}  # calls per step, elements
 
 def build_context_loop(size: str, device: torch.device) -> Bench:
     """``with adaptive_eager():`` around every call of a small function, no module, no optimizer
-    (issue 13: stepping aside at context boundaries). The program enters the engine itself
+    (stepping aside at context boundaries). The program enters the engine itself
     (``Bench.enters_engine``): engine modes do not wrap the step; eager and torch.compile run
     the bare function."""
     _seed()
