@@ -20,9 +20,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from adaptive_eager.dispatch.bounds import in_bounds
 from adaptive_eager.dispatch.lazy import LazyTensor, Meta, _set_bits, resolve_all
 from adaptive_eager.dispatch.opspec import (
-    ALLOC, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
+    ALLOC, CHECKED, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
 from adaptive_eager.dispatch.outvariant import run_out
 from adaptive_eager.dispatch.regions import active_engine
@@ -67,6 +68,10 @@ class DeferMode(TorchDispatchMode):
             kwargs = _NO_KWARGS  # shared, never written: no dict per op
         eng = self.engine
         policy = spec.policy
+        if policy == CHECKED:  # Note [value checks] in dispatch/bounds.py
+            if not in_bounds(func, args, kwargs):
+                return eng.run_fallback(func, spec, args, kwargs, "index_check")
+            policy = DEFER
         if policy == DEFER:
             if spec is _TO_COPY and _copies_to_other_device(args, kwargs):
                 return eng.run_eager(func, spec, args, kwargs, "read:to")

@@ -10,6 +10,9 @@ PASSTHROUGH  metadata-only or bookkeeping ops (profiler ranges, lift_fresh): run
 INPLACE_VIEW t_/squeeze_/resize_/set_/as_strided_ change a tensor's metadata, which a wrapper can't
              follow lazily (trap 3): flush, run, then refresh the wrapper's sizes.
 SYNC         the result is a Python value or its shape depends on data (item, nonzero): flush.
+CHECKED      deferred like DEFER once a record-time check of its index values passes; otherwise
+             run at once, so eager's out-of-bounds error rises at its line (Note [value checks]
+             in dispatch/bounds.py).
 OUT          out= overloads whose functional overload is deferred: recorded as it, then a copy_
              into each out, where the call allows (Note [out= ops] in dispatch/outvariant.py).
 FALLBACK     everything the engine does not model (other out= variants, non-aten namespaces,
@@ -42,9 +45,11 @@ from typing import Any
 
 import torch
 
-DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK, GRAD_MODE, OUT = range(9)
+from adaptive_eager.dispatch.bounds import CHECKS
+
+DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK, GRAD_MODE, OUT, CHECKED = range(10)
 POLICY_NAMES = ("defer", "alloc", "random", "passthrough", "inplace_view", "sync", "fallback",
-                "grad_mode", "out")  # GRAD_MODE: deferred, replayed under its recorded grad mode
+                "grad_mode", "out", "checked")  # GRAD_MODE: replayed under its recorded grad mode
 
 _aten = torch.ops.aten
 GRAD_MODE_OPS = frozenset({_aten.mkldnn_rnn_layer.default})  # kernels that read the grad mode
@@ -126,6 +131,8 @@ class OpSpec:
         self.policy, self.reason = _classify(op, schema)
         if self.policy == DEFER and op in GRAD_MODE_OPS:  # Note [grad-mode kernels] in engine.py
             self.policy, self.reason = GRAD_MODE, "deferred; its kernel reads the grad mode"
+        if self.policy == DEFER and op in CHECKS:  # Note [value checks] in dispatch/bounds.py
+            self.policy, self.reason = CHECKED, "deferred once its index values are in bounds"
         self.host_learns = 0  # host-scalar runs whose metadata was learned (engine.run_host_scalar)
         # OUT: (the functional overload's spec, the out argument names in return order)
         self.functional: tuple[OpSpec, tuple[str, ...]] | None = None
