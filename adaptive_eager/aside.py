@@ -159,6 +159,8 @@ log = logging.getLogger("adaptive_eager")
 
 TRIAL_TICKS = 8  # rounds timed each way in a trial
 TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
+TRIAL_CLEAR_PAIRS = 3  # pairs after which a clear verdict ends a trial (Note [clear trials])
+TRIAL_CLEAR = 2.0  # every pair this many times faster (or slower) one way is a clear verdict
 PROBE_BACKOFF_MAX = 5  # probes in vain double the interval at most this often (Note [probes back off])
 MAX_ROOTS = 4  # outermost modules remembered for ticks while the engine is off (Note [root ticks])
 PROBE_ROUNDS = 200  # a probe that flushed less than PROBE_FLUSHES times ends here too
@@ -187,6 +189,27 @@ def _traced_here() -> bool:
     hooks (a call's pre-hook seen and its post-hook not leaves the depth count stuck)."""
     return torch.compiler.is_dynamo_compiling() or (
         torch.compiler.is_compiling() and _get_mode(_FAKE_KEY) is not None)
+
+
+# Note [clear trials]
+# A trial times TRIAL_TICKS rounds each way because a small difference (a few percent) needs
+# them to rise above the noise of a shared machine. A large one does not: a fused chain ran 0.02 s
+# a round against eager's 1.27 s, and the trial still ran every second round plain for 16 rounds
+# (more when a new decision started it over), half the steps at eager's speed. So from
+# TRIAL_CLEAR_PAIRS pairs on, a trial ends as soon as every pair so far says the same by at least
+# TRIAL_CLEAR either way; noise that moves a whole paired round by 2x in every pair is not
+# plausible, and the verdict is the one the full trial would reach.
+def clear_ratio(periods: list[float], eager_periods: list[float]) -> float | None:
+    """The median engine/eager ratio of the pairs so far when they all agree clearly, else None."""
+    n = min(len(periods), len(eager_periods))
+    if n < TRIAL_CLEAR_PAIRS:
+        return None
+    ratios = [a / b for a, b in zip(periods[:n], eager_periods[:n]) if b > 0]
+    if len(ratios) < n:
+        return None
+    if max(ratios) * TRIAL_CLEAR <= 1.0 or min(ratios) >= TRIAL_CLEAR:
+        return _median(ratios)
+    return None
 
 
 def trial_verdict(ratio: float) -> str:
@@ -756,8 +779,10 @@ class Presence:
         if self.last_tick is not None:
             (self.periods if self.trial == "engine" else self.eager_periods).append(
                 now - self.last_tick)
-            if len(self.periods) >= TRIAL_TICKS and len(self.eager_periods) >= TRIAL_TICKS:
-                self._decide_trial()
+            if (len(self.periods) >= TRIAL_TICKS and len(self.eager_periods) >= TRIAL_TICKS) or (
+                    self.trial == "eager"
+                    and clear_ratio(self.periods, self.eager_periods) is not None):
+                self._decide_trial()  # Note [clear trials]: a clear verdict ends it early
                 return
             if self.trial == "engine":
                 self.engine.flush("trial")
