@@ -137,47 +137,44 @@ def _real(a: Any) -> Any:
     return resolve_all(a)
 
 
-def _hook(orig: Any) -> Any:
-    orig_hooked = getattr(orig, "_ae_hook", False)
-    return None if orig_hooked else orig
-
-
 def _mark(wrapper: Any) -> Any:
     wrapper._ae_hook = True
     return wrapper
 
 
-# ---- memory coming in from outside: the new tensor aliases it --------------------------------
-def _aliasing(name: str, orig: Any) -> Any:
-    """A constructor whose result always aliases outside memory (from_numpy, frombuffer,
-    from_dlpack)."""
+# ---- memory coming in from outside: the new tensor aliases or copies it ----------------------
+def _foreign(src: Any) -> bool:
+    """Whether a constructor's source is memory of another library (not a tensor, not Python
+    numbers)."""
+    return src is not None and not isinstance(src, (_T, list, tuple, int, float, complex, bool))
+
+
+def _from_outside(name: str, aliases: bool | None, orig: Any) -> Any:
+    """A constructor of a tensor from another library's memory: ``from_numpy``, ``frombuffer``,
+    ``from_dlpack`` (``aliases``: always aliasing), ``as_tensor``/``asarray`` (None: aliasing
+    unless they must copy), ``tensor`` (False: a copy). What it reads of that memory it reads at
+    once, below the engine: a copy deferred to a flush (``as_tensor(a, dtype=...)`` is an aten
+    ``_to_copy`` of a numpy-backed tensor) would read what the outside wrote meanwhile."""
 
     @functools.wraps(orig)
     def make(*args: Any, **kwargs: Any) -> Any:
-        out = orig(*args, **kwargs)
-        note_escape(out)
-        return out
-
-    return _mark(make)
-
-
-def _maybe_aliasing(name: str, orig: Any) -> Any:
-    """``as_tensor``/``asarray``: the result aliases its source when it needs no copy."""
-
-    @functools.wraps(orig)
-    def make(*args: Any, **kwargs: Any) -> Any:
-        out = orig(*args, **kwargs)
-        src = args[0] if args else kwargs.get("data", kwargs.get("obj"))
-        if isinstance(out, _T) and _foreign_alias(src, out):
+        src = args[0] if args else next(iter(kwargs.values()), None)
+        foreign = _foreign(src)
+        if foreign and _engine_on_top():
+            with _DisableDispatch():
+                out = orig(*args, **kwargs)
+        else:
+            out = orig(*args, **kwargs)
+        if aliases or (aliases is None and foreign and _foreign_alias(src, out)):
             note_escape(out)
         return out
 
     return _mark(make)
 
 
-def _foreign_alias(src: Any, out: torch.Tensor) -> bool:
+def _foreign_alias(src: Any, out: Any) -> bool:
     """Whether ``out`` may alias the memory of ``src``, an object that is not a tensor."""
-    if src is None or isinstance(src, (_T, list, tuple, int, float, complex, bool)):
+    if type(out) is not _T:
         return False
     face = getattr(src, "__array_interface__", None)
     if isinstance(face, dict) and isinstance(face.get("data"), tuple):
@@ -196,7 +193,11 @@ def _foreign_alias(src: Any, out: torch.Tensor) -> bool:
 def _from_file(orig: Any) -> Any:
     @functools.wraps(orig)
     def make(*args: Any, **kwargs: Any) -> Any:
-        out = orig(*args, **kwargs)
+        if _engine_on_top():  # it reads the file now, as eager does
+            with _DisableDispatch():
+                out = orig(*args, **kwargs)
+        else:
+            out = orig(*args, **kwargs)
         shared = args[1] if len(args) > 1 else kwargs.get("shared")
         if shared:  # a shared mapping: other processes and the file see its writes
             if isinstance(out, _T):
@@ -285,16 +286,32 @@ def _set(owner: Any, name: str, make: Any) -> None:
     setattr(owner, name, make(orig))
 
 
+def _cuda_array_interface(prop: property) -> property:
+    """``__cuda_array_interface__`` (CUDA tensors; CuPy, Numba): a raw pointer the consumer
+    reads and writes from then on."""
+
+    def get(self: Any) -> Any:
+        _flush("read:__cuda_array_interface__")
+        real = _real(self)
+        out = prop.fget(real)  # type: ignore[misc]
+        note_escape(real)
+        return out
+
+    get.__doc__ = prop.__doc__
+    return property(_mark(get), doc=prop.__doc__)
+
+
 def install() -> None:
     """Installed when the package is imported (idempotent): code that took a reference to one
     of these functions before that keeps the plain one."""
     import torch.utils.dlpack as dlpack
 
     for name in ("from_numpy", "frombuffer", "from_dlpack"):
-        _set(torch, name, functools.partial(_aliasing, name))
-    _set(dlpack, "from_dlpack", functools.partial(_aliasing, "from_dlpack"))
+        _set(torch, name, functools.partial(_from_outside, name, True))
+    _set(dlpack, "from_dlpack", functools.partial(_from_outside, "from_dlpack", True))
     for name in ("as_tensor", "asarray"):
-        _set(torch, name, functools.partial(_maybe_aliasing, name))
+        _set(torch, name, functools.partial(_from_outside, name, None))
+    _set(torch, "tensor", functools.partial(_from_outside, "tensor", False))
     _set(torch, "from_file", _from_file)
     _set(torch.UntypedStorage, "from_file", lambda orig: staticmethod(_from_file(orig)))
     _set(torch.storage._StorageBase, "share_memory_", _share_memory)
@@ -304,3 +321,6 @@ def install() -> None:
         _set(torch, name, functools.partial(_on_values, name))
     _set(_T, "as_subclass", lambda orig: _subclassing(orig, 0))
     _set(_T, "_make_subclass", lambda orig: staticmethod(_subclassing(orig, 1)))
+    prop = _T.__dict__.get("__cuda_array_interface__")
+    if isinstance(prop, property) and not getattr(prop.fget, "_ae_hook", False):
+        _T.__cuda_array_interface__ = _cuda_array_interface(prop)  # type: ignore[misc]
