@@ -190,7 +190,7 @@ def test_from_numpy_inplace_writes_reach_the_array(mode: str) -> None:
 
 
 @pytest.mark.parametrize("via", ["from_numpy", "as_tensor", "asarray", "from_dlpack",
-                                 "frombuffer"])
+                                 "frombuffer", "tensor", "as_tensor_copy", "asarray_copy"])
 def test_reads_of_outside_memory_see_its_value_then(mode: str, via: str) -> None:
     def f() -> Any:
         arr = np.arange(4, dtype=np.float32)
@@ -200,7 +200,10 @@ def test_reads_of_outside_memory_see_its_value_then(mode: str, via: str) -> None
             arr = np.frombuffer(buf, np.float32)  # a view of the same bytes
         else:
             make = {"from_numpy": torch.from_numpy, "as_tensor": torch.as_tensor,
-                    "asarray": torch.asarray, "from_dlpack": torch.from_dlpack}[via]
+                    "asarray": torch.asarray, "from_dlpack": torch.from_dlpack,
+                    "tensor": torch.tensor,  # copies, as the two below
+                    "as_tensor_copy": lambda a: torch.as_tensor(a, dtype=torch.float64),
+                    "asarray_copy": lambda a: torch.asarray(a, dtype=torch.float16)}[via]
             t = make(arr)
         y = t * 2 + 1  # a torch read of the outside memory
         arr += 10  # the outside writes it before anything reads y
