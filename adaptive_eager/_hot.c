@@ -89,6 +89,9 @@ static PyObject *TemplateT, *SymTraceT; /* shapes.Template, shapes.SymTrace (NUL
 /* init_register's: lazy._METAS, torch.strided, TensorBase.untyped_storage,
  * torch._C._is_torch_function_mode_enabled (METAS NULL: first uses left to Python) */
 static PyObject *METAS, *STRIDED, *storage_fn, *tf_mode_on;
+/* init_register's fifth: outside.ESCAPED ({storage address: tokens}; Note [memory the outside
+ * can see] in dispatch/outside.py): a first use on an address there goes to Python */
+static PyObject *ESCAPED;
 /* init_dropouts': {OpSpec: position of dropout_p} of the attention ops deferred without dropout
  * (mode._DROPOUT_AT less the no-op dropouts), opspec.RANDOM (NULL: left to Python) */
 static PyObject *DROPOUTS, *RANDOM_P;
@@ -541,6 +544,9 @@ reg(Ctx *c, PyObject *a)
     if ((mid = GET(m, mid)) == NULL || (st = PyObject_CallOneArg(storage_fn, real)) == NULL ||
         (addr = call0(st, s_data_ptr)) == NULL)
         goto done;
+    if (ESCAPED != NULL && PyDict_GET_SIZE(ESCAPED) &&
+        (PyDict_GetItemWithError(ESCAPED, addr) != NULL || PyErr_Occurred()))
+        goto done; /* memory the outside can see: Trace.register decides */
     /* groups.setdefault(addr, len(groups)), with the first uses noted before this one */
     group = PyDict_GetItemWithError(c->groups, addr);
     if (group != NULL)
@@ -1864,19 +1870,21 @@ hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
-/* init_register(METAS, strided, untyped_storage, tf_mode_enabled): lazy._METAS (intern_meta's
- * dict, never rebound), torch.strided, torch._C.TensorBase.untyped_storage and
- * torch._C._is_torch_function_mode_enabled: C then numbers first uses of externals itself. */
+/* init_register(METAS, strided, untyped_storage, tf_mode_enabled, ESCAPED): lazy._METAS
+ * (intern_meta's dict, never rebound), torch.strided, torch._C.TensorBase.untyped_storage,
+ * torch._C._is_torch_function_mode_enabled and outside.ESCAPED (never rebound): C then numbers
+ * first uses of externals itself. */
 static PyObject *
 hot_init_register(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
 {
-    if (n != 4 || !PyDict_CheckExact(av[0]) || !PyCallable_Check(av[2]) || !PyCallable_Check(av[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "init_register(METAS: dict, strided, untyped_storage, tf_mode_enabled)");
+    if (n != 5 || !PyDict_CheckExact(av[0]) || !PyCallable_Check(av[2]) ||
+        !PyCallable_Check(av[3]) || !PyDict_CheckExact(av[4])) {
+        PyErr_SetString(PyExc_TypeError, "init_register(METAS: dict, strided, untyped_storage, "
+                                         "tf_mode_enabled, ESCAPED: dict)");
         return NULL;
     }
-    PyObject **dst[4] = {&METAS, &STRIDED, &storage_fn, &tf_mode_on};
-    for (int i = 0; i < 4; i++) {
+    PyObject **dst[5] = {&METAS, &STRIDED, &storage_fn, &tf_mode_on, &ESCAPED};
+    for (int i = 0; i < 5; i++) {
         Py_INCREF(av[i]);
         Py_XSETREF(*dst[i], av[i]);
     }
@@ -2199,8 +2207,9 @@ static PyMethodDef methods[] = {
      "SymTrace]): the engine's objects, once (without shapes' classes template steps are "
      "left to Python)."},
     {"init_register", (PyCFunction)(void (*)(void))hot_init_register, METH_FASTCALL,
-     "init_register(METAS, strided, untyped_storage, tf_mode_enabled): lazy._METAS, "
-     "torch.strided, TensorBase.untyped_storage, torch._C._is_torch_function_mode_enabled; C "
+     "init_register(METAS, strided, untyped_storage, tf_mode_enabled, ESCAPED): lazy._METAS, "
+     "torch.strided, TensorBase.untyped_storage, torch._C._is_torch_function_mode_enabled, "
+     "outside.ESCAPED; C "
      "then numbers first uses of external tensors as Trace.register does (without it, Python)."},
     {"init_dropouts", (PyCFunction)(void (*)(void))hot_init_dropouts, METH_FASTCALL,
      "init_dropouts(dropouts, RANDOM): {OpSpec: position of dropout_p} of the attention ops "

@@ -8,6 +8,7 @@ import torch
 
 from adaptive_eager.cache.memory import TRIE, TrieNode
 from adaptive_eager.dispatch.lazy import LazyTensor, intern_meta, meta_of
+from adaptive_eager.dispatch.outside import ESCAPED, escaped
 
 _DisableFunction = torch._C.DisableTorchFunction
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.parameter.Buffer)
@@ -97,6 +98,8 @@ class Trace:
                 meta = meta_of(t)
                 real = t
             addr = _storage(real).data_ptr()
+        if ESCAPED and addr in ESCAPED and escaped(addr):  # Note [memory the outside can see]
+            raise Unsupported("memory visible outside torch")
         group = self.groups.setdefault(addr, len(self.groups))
         self.ext_ids[id(t)] = len(self.ext)
         self.ext.append(t)

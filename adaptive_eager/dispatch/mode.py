@@ -25,6 +25,7 @@ from adaptive_eager.dispatch.lazy import LazyTensor, Meta, _set_bits, resolve_al
 from adaptive_eager.dispatch.opspec import (
     ALLOC, CHECKED, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
+from adaptive_eager.dispatch.outside import install as _install_outside, note_escape
 from adaptive_eager.dispatch.outvariant import run_out
 from adaptive_eager.dispatch.regions import active_engine
 from adaptive_eager.engine import (
@@ -172,10 +173,11 @@ if _hot is not None:
                   Template, SymTrace)
         # first uses of externals numbered in C too (Trace.register's common case)
         from adaptive_eager.dispatch.lazy import _METAS
+        from adaptive_eager.dispatch.outside import ESCAPED
         from adaptive_eager.trace import _storage
 
         _hot.init_register(_METAS, torch.strided, _storage,
-                           torch._C._is_torch_function_mode_enabled)
+                           torch._C._is_torch_function_mode_enabled, ESCAPED)
         # and attention without dropout (Note [attention without dropout])
         _hot.init_dropouts({s: at for s, at in _DROPOUT_AT.items() if s not in _NOOP_DROPOUTS},
                            RANDOM)
@@ -625,12 +627,16 @@ def _eager_backward_hook(orig: Any) -> Any:
 # (what the always-armed guard did on every such call), also while the guard is off.
 _EXPOSING = ("numpy", "__array__", "data_ptr", "untyped_storage", "storage", "_typed_storage",
              "__dlpack__")
+# Of those, the ones whose result the outside reads and writes later, without any call torch
+# sees: their storage escapes (Note [memory the outside can see] in dispatch/outside.py).
+_ESCAPING = frozenset(("numpy", "__array__", "__dlpack__"))
 _len_dispatch = torch._C._len_torch_dispatch_stack
 _dispatch_at = torch._C._get_dispatch_stack_at
 
 
 def _exposing_hook(orig: Any, name: str) -> Any:
     reason = f"read:{name}"
+    escapes = name in _ESCAPING
 
     @functools.wraps(orig)
     def exposing(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -641,12 +647,38 @@ def _exposing_hook(orig: Any, name: str) -> Any:
                 eng = mode.engine
                 if eng.trace.ops and not eng.busy and not eng.flushing:
                     eng.flush(reason)
-        return orig(self, *args, **kwargs)
+                if escapes:
+                    # numpy(force=True) copies through aten ops (resolve_conj, detach): on
+                    # real values, at once, never deferred into a wrapper numpy then reads
+                    with _DisableDispatch():
+                        out = orig(self, *args, **kwargs)
+                    _escape(self, out)
+                    return out
+        out = orig(self, *args, **kwargs)
+        if escapes:
+            _escape(self, out)
+        return out
 
     exposing._ae_hook = True  # type: ignore[attr-defined]
     return exposing
 
 
+def _escape(t: torch.Tensor, out: Any) -> None:
+    """The memory of ``t`` now reaches ``out`` (an array: for its life; a capsule: for the
+    storage's), unless ``out`` is a copy (``numpy(force=True)`` of a conj view)."""
+    if type(out).__name__ == "ndarray":
+        face = out.__array_interface__
+        with torch._C.DisableTorchFunction():
+            st = _storage_of(t)
+            lo = st.data_ptr()
+        if not lo <= face["data"][0] < lo + max(st.nbytes(), 1):
+            return
+        note_escape(t, out)
+    else:
+        note_escape(t)
+
+
+_storage_of = torch._C.TensorBase.untyped_storage
 _data_get = torch._C.TensorBase.data.__get__
 
 
@@ -715,3 +747,4 @@ def _install_wrappers() -> None:
 
 
 _install_wrappers()
+_install_outside()
