@@ -114,6 +114,9 @@ def test_run_eager_and_mode_then_compare_and_render(tool: ModuleType, folder: Pa
     row = next(line for line in table.splitlines() if line.startswith("| `sub/test_fake.py`"))
     assert row.split(" | ")[1:5] == ["`fake`", "6 / 7", "3", "0/1"]
     assert "boom \\| in mode" in table  # a pipe in a message does not break the table
+    causes = table.split("### New failures by error")[1].split("###")[0]
+    assert sum(line.startswith("| 1 | replay |") for line in causes.splitlines()) == 3
+    assert tool.cluster_key("index 10 out of 10 at 0x7f00") == "index N out of N"
     again = tool.from_json(tool.to_json(results))
     assert tool.render(again, {rel: "fake"}, modes=("replay",)) == table
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,7 @@ CONFTEST = '''\
 import importlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -354,6 +356,25 @@ def not_run(eager: ModeResult, other: ModeResult) -> int:
     return sum(tid not in other.tests for tid in eager.tests)
 
 
+def cluster_key(message: str) -> str:
+    """A failure message with its numbers blanked, so that one cause reads as one line."""
+    return re.sub(r"\d+", "N", message.split(" at 0x")[0])[:120]
+
+
+def clusters(results: dict[str, dict[str, ModeResult]], modes: Sequence[str]) -> list[str]:
+    """Rows of (count, mode, message, one example), most frequent first."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for by_mode in results.values():
+        for m in modes:
+            if m in by_mode:
+                for tid, o in compare(by_mode["eager"], by_mode[m]):
+                    groups.setdefault((m, cluster_key(o.message)), []).append(tid)
+    rows = ["| tests | mode | error (numbers as N) | example |", "|---|---|---|---|"]
+    for (m, key), tids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        rows.append(f"| {len(tids)} | {m} | {_cell(key) or '(no message)'} | `{tids[0]}` |")
+    return rows if groups else []
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -388,6 +409,9 @@ def render(results: dict[str, dict[str, ModeResult]], selectors: dict[str, str |
         row.append("/".join(f"{by_mode[m].seconds / 60:.1f}" if m in by_mode else "-"
                             for m in ("eager", *modes)))
         rows.append("| " + " | ".join(row) + " |")
+    by_cause = clusters(results, modes)
+    if by_cause:
+        rows += ["", "### New failures by error", ""] + by_cause
     return "\n".join(rows) + "\n" + ("\n".join(details) + "\n" if details else "")
 
 
