@@ -20,11 +20,11 @@ The test files come from an older PyTorch than the installed one, and their own 
 pytest internals that moved. So each file (and its folder's package files) is copied into a fresh
 temp folder, next to a conftest.py written here: it puts the original test folder on sys.path (for
 helper imports such as ``optim.test_optim``), adds the few names the installed
-``torch.testing._internal`` no longer has (COMPAT), and records every test's outcome as one JSON line,
-flushed as it happens. A process that crashes or hangs therefore loses nothing already recorded:
-the runner marks the test in progress as ``crash`` or ``timeout`` and starts a fresh process that
-deselects every test already recorded, until the file's time budget is spent (what is left is
-``not run``).
+``torch.testing._internal`` no longer has (COMPAT), and records every test's outcome as one JSON
+line, flushed as it happens. A process that crashes or hangs therefore loses nothing already
+recorded: the runner marks the test in progress as ``crash`` or ``timeout`` and starts a fresh
+process that deselects every test already recorded, until the file's time budget is spent (what is
+left is ``not run``).
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ DESELECT_NAME = "deselect.txt"
 COMPAT: dict[str, dict[str, str]] = {
     "torch.testing._internal.common_utils": {
         "skipIfMps": "skipIfMPS",
-        "_assertGradAndGradgradChecks": "lambda test_case, apply_fn, inputs, **kw: ("
-                                        "test_case.assertTrue(gradcheck(apply_fn, inputs, **kw)),"
-                                        "test_case.assertTrue(gradgradcheck(apply_fn, inputs, **kw)))",
+        "_assertGradAndGradgradChecks": (
+            "lambda test_case, apply_fn, inputs, **kw: ("
+            "test_case.assertTrue(gradcheck(apply_fn, inputs, **kw)),"
+            "test_case.assertTrue(gradgradcheck(apply_fn, inputs, **kw)))"),
     },
     "torch.testing._internal.common_cuda": {
         "tf32_is_not_fp32": "lambda: False",
