@@ -664,6 +664,16 @@ type_value(PyObject *a)
     return PyTuple_Pack(2, (PyObject *)Py_TYPE(a), a);
 }
 
+/* Note [bool keys] in engine.py: a bool keyed by value is one of two constant (bool, value)
+ * tuples, equal to no int (True == 1 in a dict); made once in PyInit__hot. A borrowed ref. */
+static PyObject *BOOL_KEYS[2];
+
+static PyObject *
+value_key(PyObject *a)
+{
+    return Py_IS_TYPE(a, &PyBool_Type) ? BOOL_KEYS[a == Py_True] : a;
+}
+
 static int
 is_tensor(PyObject *a)
 {
@@ -1343,7 +1353,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
                     Py_INCREF(k);
                 }
                 else {
-                    k = a;
+                    k = value_key(a);
                     Py_INCREF(k);
                 }
             }
@@ -1425,7 +1435,7 @@ fast(PyObject *mode, PyObject *func, PyObject *types, PyObject *args, PyObject *
                     Py_INCREF(k);
                 }
                 else if (scal == 0) {
-                    k = a;
+                    k = value_key(a);
                     Py_INCREF(k);
                 }
             }
@@ -2245,6 +2255,9 @@ PyMODINIT_FUNC
 PyInit__hot(void)
 {
     if ((ONE = PyLong_FromLong(1)) == NULL || (ZERO = PyLong_FromLong(0)) == NULL)
+        return NULL;
+    if ((BOOL_KEYS[0] = PyTuple_Pack(2, (PyObject *)&PyBool_Type, Py_False)) == NULL ||
+        (BOOL_KEYS[1] = PyTuple_Pack(2, (PyObject *)&PyBool_Type, Py_True)) == NULL)
         return NULL;
     INTERN(s_ae_spec, "_ae_spec");
     INTERN(s_policy, "policy");

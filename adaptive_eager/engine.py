@@ -48,6 +48,13 @@ _DisableFuncTorch = torch._C._DisableFuncTorch
 _MISSING = object()
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _MAX_TRIE_ENTRIES = 100_000  # a program whose traces never repeat must not grow memory forever
+# Note [bool keys]
+# ``True == 1`` and ``hash(True) == hash(1)``: keyed by value, ``bool_tensor + True`` and
+# ``bool_tensor + 1`` (an ``other`` that is a Scalar in a Tensor overload) were one trie path, so
+# the second replayed the first's output dtype (bool instead of int64; DESIGN trap 6). Ints keyed
+# by value stay plain (sizes, dims: no allocation); a bool is keyed by one of these two constant
+# tuples, which equal no int. The C accelerator builds the same tuples (``type_value``).
+BOOL_KEYS = {False: (bool, False), True: (bool, True)}
 
 
 class _Owned(threading.local):
@@ -285,7 +292,7 @@ class Engine:
                         ap(t)
                         tr.scalars.append(a)
                     else:
-                        ap(a)
+                        ap(a if t is int else BOOL_KEYS[a])  # Note [bool keys]
                 elif t is list or t is tuple:
                     k, a = self._key_seq(a, tr, spec, n_op)
                     ap(k)
@@ -439,7 +446,7 @@ class Engine:
                     key.append(t)
                     tr.scalars.append(a)
                 else:
-                    key.append(a)
+                    key.append(a if t is int else BOOL_KEYS[a])  # Note [bool keys]
             elif t is list or t is tuple:
                 k, m = self._key_seq(a, tr, spec, n_op)
                 key.append(k)

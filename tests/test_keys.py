@@ -8,6 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
+import adaptive_eager as ae
+
 _SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import adaptive_eager as ae
@@ -34,3 +39,27 @@ def _digests(mode: str) -> list[str]:
 def test_digest_independent_of_shape_interning_order() -> None:
     plain, shuffled = _digests("plain"), _digests("other-shapes-first")
     assert plain and plain == shuffled, (plain, shuffled)
+
+
+# ---- Note [bool keys]: True == 1 in a dict, never in a trace key --------------------------------
+_B = torch.tensor((0, 1), dtype=torch.bool)
+_SCALAR_CALLS = {
+    "positional": lambda s: _B + s,  # aten.add.Tensor(self, other): the Scalar keyed by value
+    "keyword": lambda s: torch.ops.aten.add.Tensor(_B, other=s),
+    "where": lambda s: torch.where(_B, _B, s),
+    "fill": lambda s: torch.full((2,), s),
+}
+
+
+@pytest.mark.parametrize("accel", [True, False])
+@pytest.mark.parametrize("call", _SCALAR_CALLS)
+def test_bool_and_int_scalars_are_other_traces(call: str, accel: bool) -> None:
+    """A trace recorded with ``True`` is never replayed for ``1`` (nor ``1`` for ``True``, or
+    either for ``1.0``): dtypes and values equal eager's whichever came first."""
+    fn = _SCALAR_CALLS[call]
+    order = (True, True, True, 1, 1, 1, 1.0, 1.0, True, False, 0, 0, False)
+    want = [fn(s) for s in order]
+    with ae.adaptive_eager(backend="replay", step_aside=False, check=True, accel=accel):
+        got = [fn(s) for s in order]
+    for s, w, g in zip(order, want, got):
+        assert g.dtype == w.dtype and torch.equal(g, w), (s, w, g)
