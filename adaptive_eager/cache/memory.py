@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from adaptive_eager.dispatch.lazy import METAS_BY_ID
+from adaptive_eager.dispatch.ambient import root_state
 
 # What an output of a recorded op is: a Meta (new lazy tensor), an int (the positional argument an
 # in-place op returns), None, or a tuple/list of those.
@@ -148,18 +149,21 @@ class TrieNode:
 
 
 class TraceTrie:
-    """All traces seen in this process, one root per ambient default dtype."""
+    """All traces seen in this process, one root per default dtype and ambient state."""
 
     def __init__(self) -> None:
-        self.roots: dict[torch.dtype, TrieNode] = {}
+        self.roots: dict[tuple, TrieNode] = {}
         self.entries = 0
         self.entry_list: list[TraceEntry] = []
 
     def root(self, default_dtype: torch.dtype) -> TrieNode:
-        node = self.roots.get(default_dtype)
+        """The root of traces recorded under this default dtype and the current ambient state
+        (Note [ambient state]: a flag change is a flush point, and starts another trace)."""
+        key = (default_dtype, root_state())
+        node = self.roots.get(key)
         if node is None:
-            seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v2 {default_dtype}".encode())
-            node = self.roots[default_dtype] = TrieNode(None, seed, 0)
+            seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v3 {key!r}".encode())
+            node = self.roots[key] = TrieNode(None, seed, 0)
             if HOOKS.pending:
                 HOOKS.new_node(node)
         return node
