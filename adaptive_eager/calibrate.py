@@ -90,7 +90,7 @@ def calibrate(lazy_guard: bool = True) -> None:
         RUN_LOG.misses = saved_misses
         engine_log.setLevel(old_level)
         for key in set(TRIE.roots) - had_roots:  # the float64 root (and its ambient state)
-            TRIE.roots.pop(key, None)
+            TRIE.drop_root(key)
         del TRIE.entry_list[n_entries:]
         TRIE.entries = len(TRIE.entry_list)
 

@@ -153,19 +153,25 @@ class TraceTrie:
 
     def __init__(self) -> None:
         self.roots: dict[tuple, TrieNode] = {}
+        self._last: tuple[Any, Any, TrieNode | None] = (None, None, None)
         self.entries = 0
         self.entry_list: list[TraceEntry] = []
 
     def root(self, default_dtype: torch.dtype) -> TrieNode:
         """The root of traces recorded under this default dtype and the current ambient state
         (Note [ambient state]: a flag change is a flush point, and starts another trace)."""
-        key = (default_dtype, root_state())
+        state = root_state()
+        last = self._last
+        if last[0] is default_dtype and last[1] is state and last[2] is not None:
+            return last[2]  # the common case, once per flush: no hash of the state
+        key = (default_dtype, state)
         node = self.roots.get(key)
         if node is None:
             seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v3 {key!r}".encode())
             node = self.roots[key] = TrieNode(None, seed, 0)
             if HOOKS.pending:
                 HOOKS.new_node(node)
+        self._last = (default_dtype, state, node)
         return node
 
     def add_entry(self, node: TrieNode, n_ops: int, learn: bool = True) -> TraceEntry:
@@ -176,8 +182,13 @@ class TraceTrie:
             HOOKS.new_entry(entry)  # Note [symbolic dims]: a new trace may show a varying size
         return entry
 
+    def drop_root(self, key: tuple) -> None:
+        self.roots.pop(key, None)
+        self._last = (None, None, None)
+
     def clear(self) -> None:
         self.roots.clear()
+        self._last = (None, None, None)
         self.entries = 0
         self.entry_list.clear()
         if HOOKS.clear is not None:

@@ -55,6 +55,7 @@ _GETTERS: tuple[tuple[str, str, tuple], ...] = (
     ("cudnn.deterministic", "_get_cudnn_deterministic", ()),
     ("cudnn.allow_tf32", "_get_cudnn_allow_tf32", ()),
     ("cudnn.depthwise_kernel", "_get_cudnn_depthwise_kernel", ()),
+    ("cudnn.benchmark_limit", "_cuda_get_cudnn_benchmark_limit", ()),
     ("miopen.immediate", "_get_miopen_immediate", ()),
     ("mkldnn.enabled", "_get_mkldnn_enabled", ()),
     ("mkldnn.deterministic", "_get_mkldnn_deterministic", ()),
@@ -101,7 +102,8 @@ _SETTERS: dict[str, str | None] = {
     "_set_cublas_allow_fp16_reduced_precision_reduction": None,
     "_set_cublas_allow_bf16_reduced_precision_reduction": None,
     "_set_cublas_allow_fp16_accumulation": "_get_cublas_allow_fp16_accumulation",
-    "_set_fp32_precision_setter": None,
+    "_set_fp32_precision_setter": "_get_fp32_precision_getter",
+    "_cuda_set_cudnn_benchmark_limit": "_cuda_get_cudnn_benchmark_limit",
     "_set_sdp_use_flash": "_get_flash_sdp_enabled",
     "_set_sdp_use_mem_efficient": "_get_mem_efficient_sdp_enabled",
     "_set_sdp_use_math": "_get_math_sdp_enabled",
@@ -157,11 +159,13 @@ def root_state() -> tuple[tuple[str, Any], ...]:
     return got
 
 
-def _changes(getter: Callable[[], Any] | None, args: tuple, kwargs: dict) -> bool:
-    if getter is None or kwargs or len(args) != 1:
+def _changes(getter: Callable[..., Any] | None, args: tuple, kwargs: dict) -> bool:
+    """Whether a setter call changes its setting: its getter takes the setter's arguments but
+    the last (``_set_fp32_precision_setter("cuda", "all", v)``: the getter's are the first two)."""
+    if getter is None or kwargs or not args:
         return True
     try:
-        return bool(getter() != args[0])
+        return bool(getter(*args[:-1]) != args[-1])
     except Exception:
         return True
 
