@@ -25,8 +25,8 @@ and each op's grad mode is recorded with it (Note [grad-mode kernels]).
 ``program_key`` is the only place a program key is made. ``code_fingerprint`` is also the
 compile service's identity (Note [service identity] in service.py): a service answers only
 clients of the same code, so a program is never built by other code than the one keying it.
-The fingerprint hashes every ``.py`` file of the package plus ``_hot.c`` and the built
-accelerator: computed once per process (a few milliseconds, at the first compile or service
+The fingerprint hashes every ``.py`` file of the package plus ``_hot.c`` (the sources, not the
+built accelerator): computed once per process (a few milliseconds, at the first compile or service
 start), then cached. This module imports torch only inside the functions that need it: the
 compile service (which never imports torch) computes the fingerprint too.
 """
@@ -42,7 +42,9 @@ from typing import Any
 log = logging.getLogger("adaptive_eager")
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
-_SOURCE_SUFFIXES = (".py", ".c", ".so", ".pyd")
+# Sources only: the accelerator built from _hot.c differs in bytes from machine to machine (build
+# paths), and ranks of one job on several machines must share programs (the remote store).
+_SOURCE_SUFFIXES = (".py", ".c")
 
 
 @functools.cache

@@ -151,11 +151,17 @@ def state() -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
+# Not a part of the trie root: ranks of one job on machines of other core counts must name their
+# traces alike (Note [ranks agree] in distributed.py). A change is still a flush point, and the
+# program key has it (as Inductor's options do).
+_NOT_ROOT = ("num_threads",)
+
+
 def root_state() -> tuple[tuple[str, Any], ...]:
-    """``state()`` as of the last wrapped setter call: the trie root's part (cheap)."""
+    """``state()`` as of the last wrapped setter call, for the trie root (cheap)."""
     got = _root[0]
     if got is None:
-        got = _root[0] = state()
+        got = _root[0] = tuple(kv for kv in state() if kv[0] not in _NOT_ROOT)
     return got
 
 
