@@ -127,8 +127,11 @@ _lock = threading.Lock()
 _installed = [False]
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
 def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if type(value) in _SCALARS:
         return value
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v) for v in value)
@@ -140,15 +143,28 @@ def state() -> tuple[tuple[str, Any], ...]:
     out: list[tuple[str, Any]] = [
         ("default_dtype", str(torch.get_default_dtype()).removeprefix("torch.")),
         ("flush_denormal", _flush_denormal[0])]
+    for name, fn, args in _getters():
+        try:
+            out.append((name, _plain(fn(*args))))
+        except Exception:
+            out.append((name, "?"))
+    return tuple(out)
+
+
+@functools.cache
+def _getters() -> tuple[tuple[str, Callable[..., Any], tuple], ...]:
+    """The getters this build has (an unknown backend/op pair raises, slowly: probed once)."""
+    found = []
     for name, getter, args in _GETTERS:
         fn = getattr(_C, getter, None)
         if fn is None:
             continue
         try:
-            out.append((name, _plain(fn(*args))))
-        except Exception:  # not in this build (a getter for an unknown backend/op pair)
+            fn(*args)
+        except Exception:
             continue
-    return tuple(out)
+        found.append((name, fn, args))
+    return tuple(found)
 
 
 # Not a part of the trie root: ranks of one job on machines of other core counts must name their
