@@ -37,6 +37,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger("adaptive_eager")
@@ -47,21 +48,46 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE_SUFFIXES = (".py", ".c")
 
 
-@functools.cache
-def code_fingerprint() -> str:
-    """A hash of this package's source files (relative path and bytes), 32 hex digits."""
-    h = hashlib.blake2b(digest_size=16)
-    found: list[str] = []
+def _sources() -> list[tuple[str, int, int]]:
+    """The package's source files: (path, size, mtime in ns), in path order."""
+    found: list[tuple[str, int, int]] = []
     for folder, dirs, files in os.walk(_PACKAGE):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
-        found.extend(os.path.join(folder, f) for f in files if f.endswith(_SOURCE_SUFFIXES))
-    for path in sorted(found):
-        rel = os.path.relpath(path, _PACKAGE)
+        for f in files:
+            if f.endswith(_SOURCE_SUFFIXES):
+                path = os.path.join(folder, f)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                found.append((path, st.st_size, st.st_mtime_ns))
+    found.sort()
+    return found
+
+
+# The sources as this process loaded them (this module is imported with the package): a file
+# changed since (an upgrade while the program runs) no longer describes the code running here.
+_LOADED = _sources()
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of this package's source files (relative path and bytes), 32 hex digits. Sources
+    changed since this process imported them give a fingerprint of this process alone (no
+    stored program or service of other code matches the code running here)."""
+    h = hashlib.blake2b(digest_size=16)
+    if _sources() != _LOADED:
+        h.update(f"changed since import: {os.getpid()} {time.time_ns()}".encode())
+        log.warning("adaptive_eager: its source files changed since this process imported "
+                    "them; programs of this process are not shared with others")
+        return h.hexdigest()
+    for path, _, _ in _LOADED:
         try:
             with open(path, "rb") as f:
                 data = f.read()
         except OSError:  # unreadable: still part of the identity, by name
             data = b"?"
+        rel = os.path.relpath(path, _PACKAGE)
         h.update(f"{rel}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()

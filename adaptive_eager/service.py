@@ -609,6 +609,7 @@ def main() -> None:
     """``python -I -c <boot> adaptive_eager.service main CACHE IDLE``: become the service."""
     args = sys.argv[5:]
     cache_dir, idle_s = Path(args[0]), float(args[1])
+    identity()  # of the code loaded now (Note [service identity])
     if os.fork():  # detach: the starter reaps this one at once; the service is init's child
         os._exit(0)
     os.setsid() if os.getsid(0) != os.getpid() else None

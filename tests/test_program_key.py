@@ -87,6 +87,19 @@ def test_fingerprint_covers_the_package_source(tmp_path: Path) -> None:
     assert program_key.code_fingerprint() is program_key.code_fingerprint()  # cached
 
 
+def test_sources_changed_since_import_give_a_fingerprint_of_that_process(tmp_path: Path) -> None:
+    pkg = _copy_package(tmp_path)
+    spec = importlib.util.spec_from_file_location("_ae_fp_loaded", pkg / "program_key.py")
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)  # the code this "process" runs
+    with open(pkg / "graph.py", "a") as f:
+        f.write("\n# upgraded while the program runs\n")
+    mine = loaded.code_fingerprint()
+    assert mine != program_key.code_fingerprint()  # not the code it loaded
+    assert mine != _fingerprint_of(pkg, "_ae_fp_upgraded")  # nor the code now on disk
+
+
 # ---- the ambient state --------------------------------------------------------------------------
 @contextlib.contextmanager
 def _attr(obj: object, name: str, value: object) -> Iterator[None]:
