@@ -4,9 +4,9 @@ Note [compile service]
 Compiles outlive the program that asked for them, and no trace is compiled twice at once. The
 first engine that needs a compile starts the service (``python -I``, detached: its own session,
 reparented to init); later processes, repeated runs, parallel test workers and the ranks of one
-job on this machine talk to the same one. It listens on a Unix socket inside the private cache
-folder (``<cache>/service/sock-<identity>``, Note [service identity]; the folder 0700 and checked by the cache trust rule), and
-refuses any peer whose SO_PEERCRED uid is not its own (clients check the service's uid too).
+job on this machine (of the same code: Note [service identity]) talk to the same one. It listens
+on a Unix socket inside the private cache folder (``<cache>/service/sock-<identity>``, the folder
+0700 and checked by the cache trust rule), and refuses any peer whose SO_PEERCRED uid is not its own (clients check the service's uid too).
 
 * Requests are data, never code to the service: a JSON header (cache key, label, torch version)
   plus the opaque payload that the compile helper reads (the pickled backend and graph). The
