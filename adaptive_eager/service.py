@@ -6,7 +6,8 @@ first engine that needs a compile starts the service (``python -I``, detached: i
 reparented to init); later processes, repeated runs, parallel test workers and the ranks of one
 job on this machine (of the same code: Note [service identity]) talk to the same one. It listens
 on a Unix socket inside the private cache folder (``<cache>/service/sock-<identity>``, the folder
-0700 and checked by the cache trust rule), and refuses any peer whose SO_PEERCRED uid is not its own (clients check the service's uid too).
+0700 and checked by the cache trust rule), and refuses any peer whose SO_PEERCRED uid is not its
+own (clients check the service's uid too).
 
 * Requests are data, never code to the service: a JSON header (cache key, label, torch version)
   plus the opaque payload that the compile helper reads (the pickled backend and graph). The
