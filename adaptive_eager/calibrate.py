@@ -66,7 +66,7 @@ def calibrate(lazy_guard: bool = True) -> None:
     engine_log = logging.getLogger("adaptive_eager")  # nor its "trace miss" INFO lines
     old_level = engine_log.level
     engine_log.setLevel(max(logging.WARNING, engine_log.getEffectiveLevel()))
-    had_root = torch.float64 in TRIE.roots
+    had_roots = set(TRIE.roots)
     n_entries = len(TRIE.entry_list)
     old_dtype = torch.get_default_dtype()
     try:
@@ -89,8 +89,8 @@ def calibrate(lazy_guard: bool = True) -> None:
             setattr(METRICS, k, v)
         RUN_LOG.misses = saved_misses
         engine_log.setLevel(old_level)
-        if not had_root:
-            TRIE.roots.pop(torch.float64, None)
+        for key in set(TRIE.roots) - had_roots:  # the float64 root (and its ambient state)
+            TRIE.drop_root(key)
         del TRIE.entry_list[n_entries:]
         TRIE.entries = len(TRIE.entry_list)
 

@@ -96,28 +96,53 @@ def _example(spec: tuple) -> Any:
     return torch.empty_strided(size, stride, dtype=dtype, device=device).zero_()
 
 
-def _flags() -> dict[str, Any]:
+def _flags(state: tuple | None = None) -> dict[str, Any]:
+    """What a compile request carries besides the graph: the ambient state the trace was
+    recorded under (Note [ambient state]; ``state``: the graph's, else this thread's now), and
+    who asks (code fingerprint, torch build: a helper of other code refuses the request)."""
     import torch
 
     from adaptive_eager.backends.inductor import chosen_kernel_dir
+    from adaptive_eager.dispatch import ambient
+    from adaptive_eager.program_key import code_fingerprint, torch_build
 
-    return {"matmul_precision": torch.get_float32_matmul_precision(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
+    state = tuple(state) if state else ambient.state()
+    named = dict(state)
+    return {"matmul_precision": named.get("matmul_precision",
+                                          torch.get_float32_matmul_precision()),
+            "deterministic": named.get("deterministic",
+                                       torch.are_deterministic_algorithms_enabled()),
             # ops recorded without a dtype lower to the default (Note [default dtype])
-            "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+            "default_dtype": named.get("default_dtype",
+                                       str(torch.get_default_dtype()).removeprefix("torch.")),
+            "state": state, "code": code_fingerprint(), "torch": torch_build(),
             "inductor_cache": chosen_kernel_dir()}
+
+
+def _foreign(flags: dict[str, Any]) -> str | None:
+    """Why a helper must not take a request (other code or another torch build), or None."""
+    from adaptive_eager.program_key import code_fingerprint, torch_build
+
+    if flags.get("code") != code_fingerprint():
+        return (f"a request of other adaptive_eager code ({str(flags.get('code'))[:12]}; "
+                f"this helper runs {code_fingerprint()[:12]})")
+    if flags.get("torch") != torch_build():
+        return f"a request of another torch build ({flags.get('torch')}; here {torch_build()})"
+    return None
 
 
 def _apply_flags(flags: dict[str, Any]) -> None:
     import torch
 
     from adaptive_eager.backends.inductor import use_kernel_dir
+    from adaptive_eager.dispatch import ambient
 
     torch.set_float32_matmul_precision(flags["matmul_precision"])
     torch.use_deterministic_algorithms(flags["deterministic"])
     dtype = getattr(torch, str(flags.get("default_dtype", "float32")), None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         torch.set_default_dtype(dtype)
+    ambient.apply(flags.get("state") or ())
     if flags["inductor_cache"]:
         use_kernel_dir(flags["inductor_cache"])
 
@@ -152,7 +177,8 @@ def request_bytes(backend: Any, graph: Any) -> bytes:
     """What a helper reads for one compile: the backend, the graph with its example inputs as
     metadata, and the flags that change generated code (pickled; only a helper unpickles it)."""
     request = (backend, dataclasses.replace(
-        graph, example_inputs=[_input_spec(x) for x in graph.example_inputs]), _flags())
+        graph, example_inputs=[_input_spec(x) for x in graph.example_inputs]),
+        _flags(getattr(graph, "state", None)))
     return pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -289,6 +315,10 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
             _write(out, ("unusable", f"{type(err).__name__}: {err}", 0.0))
             continue
         start = time.perf_counter()
+        foreign = _foreign(flags)
+        if foreign is not None:  # Note [service identity] in service.py
+            _write(out, ("unusable", foreign, 0.0))
+            continue
         try:
             fast_vec_isa_pick()
             _apply_flags(flags)

@@ -86,17 +86,17 @@ from adaptive_eager import graph as graph_mod
 from adaptive_eager import distributed  # Note [ranks agree]
 from adaptive_eager.cache import remote as remote_cache  # Note [remote program store]
 from adaptive_eager.backends import Backend, get_backend
-from adaptive_eager.cache.disk import DiskCache, cache_key, resolve_cache_dir
+from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
 from adaptive_eager.config import Options
 from adaptive_eager.compile_process import HELPER, CompileFailed, HelperFailed, request_bytes
 from adaptive_eager import service as service_mod
 from adaptive_eager.metrics import METRICS as M
+from adaptive_eager.program_key import program_key  # Note [program key]
 from adaptive_eager.trace import Trace
 
 log = logging.getLogger("adaptive_eager")
 
-ENGINE_VERSION = "0.1.0"
 MEASURE_RUNS = 3  # timed fused runs before deciding
 MEASURE_RUNS_SYM = 5  # the same for a symbolic trace, timed at whatever sizes come
 MIN_OPS = 2  # a one-op trace has nothing to fuse
@@ -268,12 +268,6 @@ def _at_one_size(fused_s: list[float], fused_n: list[int], paired_s: list[float]
     replay = _line_at(paired_s, paired_n, b_f, at)
     floor = 0.25 * min(min(fused_s), min(paired_s))  # a line below every run: not a time
     return max(fused, floor), max(replay, floor)
-
-
-def _flags() -> str:
-    """Global settings that change generated code, for the disk key."""
-    return (f"mm={torch.get_float32_matmul_precision()};det="
-            f"{torch.are_deterministic_algorithms_enabled()}")
 
 
 # ---- the background worker (Note [compile worker]) ----------------------------------------------
@@ -1656,10 +1650,9 @@ class CompileManager:
         extra = {}
         if g.dynamic:  # programs with their shape guards (Note [program shape guards]): one
             extra["guards"] = 1  # stored before them is not loaded, it compiles again once
-        return cache_key(trace=entry.digest, live=g.live, lifted=g.lifted, offsets=g.offsets,
-                         baked=tuple(zip(g.baked, g.baked_values)), torch=torch.__version__,
-                         engine=ENGINE_VERSION, backend=self.backend.options_key(),
-                         flags=_flags(), **extra)
+        trace = dict(digest=entry.digest, live=g.live, lifted=g.lifted, offsets=g.offsets,
+                     baked=tuple(zip(g.baked, g.baked_values)), **extra)
+        return program_key(trace, f"{self.backend.name}:{self.backend.options_key()}", g.state)
 
     def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
                seconds: float, data: bytes | None = None, stored: bool = False) -> None:

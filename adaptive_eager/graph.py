@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from adaptive_eager.dispatch import ambient
 from adaptive_eager.dispatch.lazy import LazyTensor
 from adaptive_eager.trace import Slot, Trace
 
@@ -275,6 +276,9 @@ class TraceGraph:
     n_ops: int
     # per tensor input (plan order): the dims that follow the symbol s (Note [symbolic programs])
     dynamic: tuple[tuple[int, ...], ...] | None = None
+    # the ambient settings the trace was recorded under (Note [ambient state]): read when the
+    # graph is built, at a flush, so later readers (the key, a helper's compile) agree with it
+    state: tuple[tuple[str, Any], ...] = ()
 
     def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any] | None:
         """Program inputs for this run, or None when its aliased inputs moved (then replay)."""
@@ -549,7 +553,7 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
                       baked=baked, baked_values=tuple(scalars[i] for i in baked),
                       live=tuple(live),
                       example_inputs=[*tensors, *(_scalar_input(scalars[i]) for i in lifted)],
-                      n_ops=len(trace.ops), dynamic=dynamic)
+                      n_ops=len(trace.ops), dynamic=dynamic, state=ambient.state())
 
 
 # Note [symbolic programs]

@@ -4,9 +4,10 @@ Note [compile service]
 Compiles outlive the program that asked for them, and no trace is compiled twice at once. The
 first engine that needs a compile starts the service (``python -I``, detached: its own session,
 reparented to init); later processes, repeated runs, parallel test workers and the ranks of one
-job on this machine talk to the same one. It listens on a Unix socket inside the private cache
-folder (``<cache>/service/sock``, the folder 0700 and checked by the cache trust rule), and
-refuses any peer whose SO_PEERCRED uid is not its own (clients check the service's uid too).
+job on this machine (of the same code: Note [service identity]) talk to the same one. It listens
+on a Unix socket inside the private cache folder (``<cache>/service/sock-<identity>``, the folder
+0700 and checked by the cache trust rule), and refuses any peer whose SO_PEERCRED uid is not its
+own (clients check the service's uid too).
 
 * Requests are data, never code to the service: a JSON header (cache key, label, torch version)
   plus the opaque payload that the compile helper reads (the pickled backend and graph). The
@@ -26,6 +27,20 @@ refuses any peer whose SO_PEERCRED uid is not its own (clients check the service
   in a helper of its own, as before (``service_errors``, logged once per process).
 The service writes its log to ``<cache>/service/log`` (0600).
 
+Note [service identity]
+A service builds programs with its own code, and stores them under keys its clients computed
+with theirs. A service started by an older install (its code predating the default dtype in
+compile requests) fused a newer client's float64 program in float32 and stored it under the
+client's key; later runs loaded it from disk. So a service answers only clients of its own
+code: its socket and lock are named for ``identity()`` (the package's code fingerprint, Note
+[program key], with the Python executable the service runs), ``<cache>/service/sock-<id>``. A
+client of other code (another install, an upgraded checkout, another interpreter) finds no
+socket of its identity and starts a service of its own beside the old one, which exits when
+idle. Each compile request also names the client's fingerprint: a service of other code answers
+"unusable" (the client compiles in a helper of its own), and a compile helper refuses a request
+of other code or another torch build (compile_process._foreign). ``stop`` and ``status`` reach
+the service of the caller's identity.
+
 Why this shape. A per-process helper that detaches at exit would finish its compile, but each
 process would still pay a fresh helper (imports, VecISA probe, first-graph set-up: 15-30 s here)
 and two processes would compile one key twice. A fork server (a warm zygote forking a child per
@@ -41,6 +56,8 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -58,7 +75,7 @@ from adaptive_eager.cache import trust
 log = logging.getLogger("adaptive_eager")
 
 SERVICE_DIR = "service"
-SOCK_NAME = "sock"
+SOCK_NAME = "sock"  # followed by "-<identity>" (Note [service identity])
 LOCK_NAME = "lock"
 LOG_NAME = "log"
 PROTOCOL = 1
@@ -113,20 +130,44 @@ def peer_uid(sock: socket.socket) -> int:
     return uid
 
 
+@functools.cache
+def identity() -> str:
+    """Who a service serves (Note [service identity]): this package's code and interpreter."""
+    from adaptive_eager.program_key import code_fingerprint
+
+    h = hashlib.blake2b(f"{code_fingerprint()}\0{sys.executable}\0{sys.version}".encode(),
+                        digest_size=8)
+    return h.hexdigest()
+
+
+def sock_name() -> str:
+    return f"{SOCK_NAME}-{identity()}"
+
+
+def lock_name() -> str:
+    return f"{LOCK_NAME}-{identity()}"
+
+
 def _sock_address(folder: Path) -> tuple[str, int | None]:
     """The socket's path, short enough for sun_path (108 bytes): through /proc/self/fd when the
     folder's own path is too long (the fd is returned, to be closed after bind/connect)."""
-    path = str(folder / SOCK_NAME)
+    path = str(folder / sock_name())
     if len(path.encode()) < 100:
         return path, None
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    return f"/proc/self/fd/{fd}/{SOCK_NAME}", fd
+    return f"/proc/self/fd/{fd}/{sock_name()}", fd
 
 
 def service_dir(cache_dir: Path, create: bool = True) -> Path:
     """``<cache>/service``: checked by the trust rule (Note [cache trust rule])."""
     root = trust.check_root(cache_dir, create=create)
     return trust.private_subdir(root, SERVICE_DIR, create=create)
+
+
+def _code() -> str:
+    from adaptive_eager.program_key import code_fingerprint
+
+    return code_fingerprint()
 
 
 # ---- the client ---------------------------------------------------------------------------------
@@ -160,11 +201,11 @@ def connect(cache_dir: Path, start: bool = True, idle_s: float | None = None,
 
 
 def _connect_once(folder: Path) -> socket.socket:
-    st = os.lstat(folder / SOCK_NAME)  # FileNotFoundError: nobody listens
+    st = os.lstat(folder / sock_name())  # FileNotFoundError: nobody of our code listens
     import stat as stat_mod
 
     if not stat_mod.S_ISSOCK(st.st_mode) or st.st_uid != trust.uid():
-        raise ServiceUnavailable(f"{folder / SOCK_NAME} is not this user's socket")
+        raise ServiceUnavailable(f"{folder / sock_name()} is not this user's socket")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     address, fd = _sock_address(folder)
     try:
@@ -218,7 +259,7 @@ def request(cache_dir: Path, header: dict, payload: bytes = b"", start: bool = T
     """Send one request; returns the connection to read its answer from (``recv_msg``)."""
     sock = connect(cache_dir, start=start, idle_s=idle_s)
     try:
-        send_msg(sock, {"protocol": PROTOCOL, **header}, payload)
+        send_msg(sock, {"protocol": PROTOCOL, "code": _code(), **header}, payload)
     except OSError as err:
         sock.close()
         raise ServiceUnavailable(f"sending to the compile service: {err}") from None
@@ -510,6 +551,12 @@ class Service:
             if op != "compile" or header.get("protocol") != PROTOCOL:
                 send_msg(conn, {"status": "unusable", "error": f"unknown request {op!r}"})
                 return
+            if header.get("code") != _code():  # Note [service identity]
+                self.counts["refused_code"] += 1
+                send_msg(conn, {"status": "unusable", "error": "a service of other "
+                                f"adaptive_eager code ({_code()[:12]}) than the client's "
+                                f"({str(header.get('code'))[:12]})"})
+                return
             job, answer, data = self.submit(header, payload)
             if job is None:
                 send_msg(conn, answer, data)
@@ -563,6 +610,7 @@ def main() -> None:
     """``python -I -c <boot> adaptive_eager.service main CACHE IDLE``: become the service."""
     args = sys.argv[5:]
     cache_dir, idle_s = Path(args[0]), float(args[1])
+    identity()  # of the code loaded now (Note [service identity])
     if os.fork():  # detach: the starter reaps this one at once; the service is init's child
         os._exit(0)
     os.setsid() if os.getsid(0) != os.getpid() else None
@@ -571,7 +619,7 @@ def main() -> None:
     except (OSError, trust.Untrusted) as err:
         sys.stderr.write(f"adaptive_eager service: refusing {cache_dir}: {err}\n")
         os._exit(1)
-    lock_fd = trust.open_private(svc.folder, LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    lock_fd = trust.open_private(svc.folder, lock_name(), os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + 10.0
     while True:
         try:
@@ -587,7 +635,7 @@ def main() -> None:
         if time.monotonic() > deadline:
             os._exit(1)
         time.sleep(0.1)
-    sock_path = svc.folder / SOCK_NAME
+    sock_path = svc.folder / sock_name()
     try:
         st = os.lstat(sock_path)
         import stat as stat_mod
@@ -606,7 +654,8 @@ def main() -> None:
         if fd is not None:
             os.close(fd)
     listener.listen(64)
-    svc.note(f"listening for {cache_dir} (idle exit after {idle_s:.0f}s)")
+    svc.note(f"listening for {cache_dir} (idle exit after {idle_s:.0f}s; code "
+             f"{_code()[:12]}, identity {identity()})")
     try:
         svc.serve(listener)
     finally:

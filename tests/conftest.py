@@ -66,9 +66,9 @@ def _stop_compile_services(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
     if not getattr(request.module, "COMPILE_SERVICE", False):
         monkeypatch.setenv("ADAPTIVE_EAGER_COMPILE_SERVICE", "0")
     yield
-    if (cache_dir / "service" / "sock").exists():
-        from adaptive_eager import service
+    from adaptive_eager import service
 
+    if (cache_dir / "service" / service.sock_name()).exists():
         service.stop(cache_dir)
 
 

@@ -126,7 +126,7 @@ def test_two_processes_asking_for_one_key_compile_once(tmp_path: Path, cache_dir
 
 def test_unusable_service_falls_back_to_a_helper_of_the_process(cache_dir: Path) -> None:
     folder = service.service_dir(cache_dir)
-    (folder / "sock").write_text("not a socket")  # nobody can listen there
+    (folder / service.sock_name()).write_text("not a socket")  # nobody can listen there
     x = torch.randn(64, 33)
     ref = (x * 0.5 * (1 + torch.tanh(0.79788 * (x + 0.044715 * x ** 3)))).sum(0)
     with ae.adaptive_eager(hot_after=2, compile_async=False, cache_dir=cache_dir):
@@ -164,7 +164,7 @@ def test_idle_service_exits_by_itself(cache_dir: Path) -> None:
     while time.monotonic() < deadline and service.status(cache_dir) is not None:
         time.sleep(0.2)
     assert service.status(cache_dir) is None
-    assert not (cache_dir / "service" / "sock").exists()
+    assert not (cache_dir / "service" / service.sock_name()).exists()
 
 
 def test_service_refuses_a_folder_others_can_write(cache_dir: Path) -> None:
@@ -175,4 +175,4 @@ def test_service_refuses_a_folder_others_can_write(cache_dir: Path) -> None:
             service.connect(cache_dir)
     finally:
         os.chmod(cache_dir, 0o700)
-    assert not (cache_dir / "service" / "sock").exists()
+    assert not (cache_dir / "service" / service.sock_name()).exists()

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import xxhash
 
 from adaptive_eager.cache import trust
 from adaptive_eager.cache.trust import Untrusted
@@ -94,14 +93,6 @@ def _warn_once(kind: str, msg: str, *args: Any) -> None:
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` 0700 if needed; raise Untrusted unless it passes the trust rule."""
     return trust.check_root(path, create=True)
-
-
-def cache_key(**parts: Any) -> str:
-    """xxh3-128 over named parts, in name order, so a key says what it depends on."""
-    h = xxhash.xxh3_128()
-    for name in sorted(parts):
-        h.update(f"{name}={parts[name]!r};".encode())
-    return h.hexdigest()
 
 
 def _jsonable(obj: Any) -> Any:

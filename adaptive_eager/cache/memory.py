@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from adaptive_eager.dispatch.lazy import METAS_BY_ID
+from adaptive_eager.dispatch.ambient import root_state
 
 # What an output of a recorded op is: a Meta (new lazy tensor), an int (the positional argument an
 # in-place op returns), None, or a tuple/list of those.
@@ -148,20 +149,29 @@ class TrieNode:
 
 
 class TraceTrie:
-    """All traces seen in this process, one root per ambient default dtype."""
+    """All traces seen in this process, one root per default dtype and ambient state."""
 
     def __init__(self) -> None:
-        self.roots: dict[torch.dtype, TrieNode] = {}
+        self.roots: dict[tuple, TrieNode] = {}
+        self._last: tuple[Any, Any, TrieNode | None] = (None, None, None)
         self.entries = 0
         self.entry_list: list[TraceEntry] = []
 
     def root(self, default_dtype: torch.dtype) -> TrieNode:
-        node = self.roots.get(default_dtype)
+        """The root of traces recorded under this default dtype and the current ambient state
+        (Note [ambient state]: a flag change is a flush point, and starts another trace)."""
+        state = root_state()
+        last = self._last
+        if last[0] is default_dtype and last[1] is state and last[2] is not None:
+            return last[2]  # the common case, once per flush: no hash of the state
+        key = (default_dtype, state)
+        node = self.roots.get(key)
         if node is None:
-            seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v2 {default_dtype}".encode())
-            node = self.roots[default_dtype] = TrieNode(None, seed, 0)
+            seed = xxhash.xxh3_128_digest(f"adaptive_eager trace v3 {key!r}".encode())
+            node = self.roots[key] = TrieNode(None, seed, 0)
             if HOOKS.pending:
                 HOOKS.new_node(node)
+        self._last = (default_dtype, state, node)
         return node
 
     def add_entry(self, node: TrieNode, n_ops: int, learn: bool = True) -> TraceEntry:
@@ -172,8 +182,13 @@ class TraceTrie:
             HOOKS.new_entry(entry)  # Note [symbolic dims]: a new trace may show a varying size
         return entry
 
+    def drop_root(self, key: tuple) -> None:
+        self.roots.pop(key, None)
+        self._last = (None, None, None)
+
     def clear(self) -> None:
         self.roots.clear()
+        self._last = (None, None, None)
         self.entries = 0
         self.entry_list.clear()
         if HOOKS.clear is not None:

@@ -3,8 +3,8 @@
 Note [remote program store]
 Ranks on many machines compile the same traces; one machine's program can serve them all. The
 store is Redis (Inductor's own remote cache speaks it too; redis-py), holding programs only,
-under the same keys as the disk cache (``cache_key``: trace digest, live slots, scalar plan,
-torch and engine versions, backend options, matmul/determinism flags). It sits behind the disk
+under the same keys as the disk cache (``program_key``, Note [program key]: trace and program
+plan, the engine's code fingerprint, torch build, backend options, ambient state). It sits behind the disk
 cache: a disk miss asks the store, and a verified entry is written into the disk cache (signed
 there with the local key, as every local entry is) and loaded from it as usual; a program
 compiled here is published to the store once it is on disk.

@@ -322,17 +322,17 @@ def default_dtype_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     def set_default(*args: Any, **kwargs: Any) -> Any:
         from adaptive_eager import api
 
+        from adaptive_eager.dispatch import ambient
+
         engine = api._state.engine
         if engine is None:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            ambient.changed(None)  # the ambient state read for the trie root is stale
+            return out
         if active_engine() is engine:
             engine.flush("default_dtype")
         out = fn(*args, **kwargs)
-        tr = engine.trace
-        if not tr.ops and tr.node is tr.start:  # an empty trace: start it at the new root
-            from adaptive_eager.cache.memory import TRIE
-
-            tr.start = tr.node = TRIE.root(torch.get_default_dtype())
+        ambient.changed(engine)  # an empty trace starts at the new root
         return out
 
     set_default._ae_region = True  # type: ignore[attr-defined]
@@ -402,7 +402,7 @@ def swap_call(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _installed = {"compile": False, "dynamo": False, "export": False, "dtype": False,
-              "storage": False, "swap": False}
+              "ambient": False, "storage": False, "swap": False}
 _install_lock = threading.RLock()  # two threads starting engines must not patch twice
 
 
@@ -435,6 +435,11 @@ def _install() -> None:
                 fn = getattr(export_mod, name, None)
                 if callable(fn):
                     setattr(export_mod, name, export_call(fn))
+    if not _installed["ambient"]:
+        _installed["ambient"] = True
+        from adaptive_eager.dispatch import ambient
+
+        ambient.install()  # Note [ambient state]
     if not _installed["dtype"]:
         _installed["dtype"] = True
         for name in ("set_default_dtype", "set_default_tensor_type"):
