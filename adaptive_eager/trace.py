@@ -109,7 +109,11 @@ class Trace:
         return ("x", sig.mid, group)
 
     def touches_storage(self, t: torch.Tensor) -> bool:
-        """Whether a real tensor shares storage with an input of this trace (pending writes)."""
+        """Whether a real tensor shares storage with an input of this trace (pending writes).
+        A sparse or other storage-less tensor may hold any of them (its indices and values):
+        it counts as touching the trace whenever the trace has inputs."""
+        if t.layout is not torch.strided:
+            return bool(self.groups)
         with _DisableFunction():
             return _storage(t).data_ptr() in self.groups
 
