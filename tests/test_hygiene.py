@@ -106,3 +106,87 @@ def test_mode_stack_changes_inside_inference_mode(cache_dir: Path) -> None:
         torch.tensor(1)  # the process is not broken
     assert ae.metrics()["key_repairs"] >= 2
     assert_state_as_eager(lambda: _aside_and_back_inside_inference_mode(model, x), **opts)
+
+
+# ---- traces never span an inference-mode boundary (Note [inference-mode boundaries]) --------
+
+def _kv_cache_loop(steps: int) -> list:
+    """KV caches made outside inference mode (as registered buffers are), written in place and
+    read through views inside it; a fresh cache per call, as ``generate()`` makes, so views of
+    pending lazy caches get recorded. Each step repeats the last."""
+    inf = torch.ones(3, 4)
+    with torch.inference_mode():
+        inf = inf * 1  # an inference tensor
+    outs = []
+    for i in range(steps):
+        cache = torch.zeros(2, 8, 4)
+        with torch.inference_mode():
+            cache.index_copy_(1, torch.tensor([1]), torch.full((2, 1, 4), float(i + 1)))
+            cache.add_(0.5)
+            k = cache[:, :3]
+            first, second = cache.unbind(0)
+            part = cache.split(4, dim=1)[1].transpose(0, 1)
+            v = inf[1:]
+            y = (k.sum(1) + first[:2] * second[:2] + part.sum()) * v[:1]
+            outs.append([y.clone(), k.clone(), part.clone(),
+                         torch.tensor([k.is_inference(), first.is_inference(),
+                                       part.is_inference(), v.is_inference(),
+                                       y.is_inference()]),
+                         torch.tensor([cache._version, k._version])])
+        outs.append([cache[:, :2].clone(), torch.tensor([cache[:, :2].is_inference(),
+                                                         cache.is_inference(), y.is_inference()])])
+    return outs
+
+
+def _buffer_across_the_boundary(steps: int) -> list:
+    """A value made lazily before an inference-mode block, read inside it, then saved for
+    backward after it (eager: a normal tensor); and one made inside, used after (an inference
+    tensor: in-place outside the block is refused in eager too)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    outs = []
+    for _ in range(steps):
+        buf = torch.ones(3) * 2 + w.detach()
+        with torch.inference_mode():
+            seen = buf * 3
+        loss = (w * buf).sum() + (w * w).sum()
+        loss.backward()
+        outs.append([seen.clone(), loss.detach(), w.grad.clone(),
+                     torch.tensor([buf.is_inference(), seen.is_inference()])])
+        w.grad = None
+    return outs
+
+
+@pytest.mark.parametrize("accel", [True, False])
+def test_views_of_normal_tensors_under_inference_mode(accel: bool, cache_dir: Path) -> None:
+    """The repro: ``cache.add_(1); cache[:, :3]`` inside ``inference_mode``, cache made before."""
+    want = _kv_cache_loop(4)
+    with ae.adaptive_eager(backend="replay", step_aside=False, accel=accel, check=True,
+                           cache_dir=str(cache_dir)):
+        got = _kv_cache_loop(4)
+    assert ae.metrics()["trace_hits"] > 0
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+
+
+def test_values_keep_the_inference_kind_of_their_side(cache_dir: Path) -> None:
+    want = _buffer_across_the_boundary(4)
+    with ae.adaptive_eager(backend="replay", step_aside=False, check=True,
+                           cache_dir=str(cache_dir)):
+        got = _buffer_across_the_boundary(4)
+    assert ae.metrics()["flush_reasons"].get("inference_mode", 0) >= 4
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+
+
+def test_views_of_normal_tensors_under_inference_mode_fused(cache_dir: Path) -> None:
+    want = _kv_cache_loop(6)
+    with ae.adaptive_eager(backend="inductor", hot_after=2, compile_async=False,
+                           step_aside=False, cache_dir=str(cache_dir)):
+        got = _kv_cache_loop(6)
+    assert ae.metrics()["compiled_runs"] > 0
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)

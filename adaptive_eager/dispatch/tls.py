@@ -1,4 +1,5 @@
-"""The thread's dispatch keys agree with its dispatch-mode stack, whatever the engine did.
+"""Inference-mode blocks under the engine: the thread's dispatch keys agree with its mode stack,
+and every trace runs under the inference mode its ops were recorded in.
 
 Note [mode stack under inference mode]
 Pushing the first mode on a thread's dispatch-mode stack includes the Python and
@@ -15,6 +16,18 @@ the exit of ``torch.inference_mode`` (the context manager and decorator) sets th
 stack says (``repair``), which is what they are whenever no such block was crossed. The
 outermost context's exit checks the same, so no way in or out leaves them wrong; a repair is
 counted (``key_repairs``).
+
+Note [inference-mode boundaries]
+Whether a tensor is an inference tensor is fixed when it is made: by the inference mode of the
+thread at that moment. A trace's real values are made when it runs, so a trace recorded on one
+side of an inference-mode boundary and run on the other made its values of the wrong kind: a
+cache made (lazily) before ``torch.inference_mode()`` and flushed inside it became an inference
+tensor (``cache._version`` raised, and autograd would refuse it later), and values recorded
+inside and run after were normal tensors where eager's are inference tensors. So entering and
+leaving ``torch.inference_mode`` (the context manager and the decorator) flush the thread's
+pending trace first, under the mode it was recorded in; a trace never spans a boundary. (Torch's
+C++ guard used directly, ``torch._C._InferenceMode``, is not seen: compiled code and torch's own
+internals use it around code that records nothing.)
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from typing import Any
 
 import torch
 
+from adaptive_eager.engine import owned_engine
 from adaptive_eager.metrics import METRICS as M
 
 _KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
@@ -48,20 +62,42 @@ def repair() -> bool:
     return True
 
 
+def _flush_pending() -> None:
+    """Note [inference-mode boundaries]: run this thread's pending trace before the boundary."""
+    eng = owned_engine()
+    if eng is not None and eng.trace.ops and not eng.flushing:
+        eng.flush("inference_mode")
+
+
 def install() -> None:
-    """Repair at every exit of ``torch.inference_mode`` from now on (idempotent)."""
+    """Flush at every entry and exit of ``torch.inference_mode`` and repair the keys after each
+    exit, from now on (idempotent)."""
     cls = torch.autograd.grad_mode.inference_mode
-    orig = cls.__exit__
-    if getattr(orig, "_ae_repairs_keys", False):
+    orig_enter, orig_exit = cls.__enter__, cls.__exit__
+    if getattr(orig_exit, "_ae_boundary", False):
         return
+
+    def __enter__(self: Any) -> None:
+        _flush_pending()
+        return orig_enter(self)
 
     def __exit__(self: Any, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
-            return orig(self, exc_type, exc_value, traceback)
+            try:
+                _flush_pending()
+            except Exception as err:
+                if exc_value is None:
+                    raise
+                exc_value.add_note(f"adaptive_eager: flushing at inference mode's exit also "
+                                   f"failed: {err!r}")
         finally:
-            repair()
+            try:
+                orig_exit(self, exc_type, exc_value, traceback)
+            finally:
+                repair()
 
-    __exit__._ae_repairs_keys = True  # type: ignore[attr-defined]
-    __exit__.__wrapped__ = orig  # type: ignore[attr-defined]
-    __exit__.__doc__ = orig.__doc__
-    cls.__exit__ = __exit__
+    for new, orig in ((__enter__, orig_enter), (__exit__, orig_exit)):
+        new._ae_boundary = True  # type: ignore[attr-defined]
+        new.__wrapped__ = orig  # type: ignore[attr-defined]
+        new.__doc__ = orig.__doc__
+    cls.__enter__, cls.__exit__ = __enter__, __exit__
