@@ -190,3 +190,54 @@ def test_views_of_normal_tensors_under_inference_mode_fused(cache_dir: Path) -> 
     for a, b in zip(want, got, strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
+# ---- the read guard is off the torch-function stack in the user's code ----------------------
+
+def _reads_after_writes(x: torch.Tensor) -> list:
+    """Reads of a tensor with a pending in-place write, each a flush inside the read guard's
+    handler; the function-mode stack's length is noted after each (eager: 0)."""
+    depth = torch._C._len_torch_function_stack
+    seen: list[Any] = []
+    x.add_(1)
+    seen += [x.tolist(), depth()]
+    x.mul_(3)
+    seen += [str(x), depth()]
+    x.sub_(1)
+    torch.testing.assert_close(x, x.clone())
+    seen.append(depth())
+    x.div_(5)
+    seen += [float(x.sum()), depth()]
+    return seen
+
+
+def test_read_guard_leaves_the_stack_after_a_read(cache_dir: Path) -> None:
+    x = torch.ones(4)
+    want = [_reads_after_writes(x) for _ in range(4)]
+    x = torch.ones(4)
+    with ae.adaptive_eager(backend="replay", step_aside=False, cache_dir=str(cache_dir)):
+        got = [_reads_after_writes(x) for _ in range(4)]
+    assert got == want
+    assert ae.metrics()["guard_arms"] > 0
+
+
+def test_torch_testcase_sees_no_leaked_mode(cache_dir: Path) -> None:
+    """torch's TestCase.tearDown compares the function-mode stack's length with setUp's."""
+    import unittest
+
+    from torch.testing._internal.common_utils import TestCase
+
+    x = torch.ones(4)
+
+    class T(TestCase):
+        def test_x(self) -> None:
+            x.add_(1)
+            self.assertEqual(x, torch.full((4,), 2.0))
+
+    result = unittest.TestResult()
+    with ae.adaptive_eager(backend="replay", step_aside=False, cache_dir=str(cache_dir)):
+        T("test_x").run(result)
+    assert not result.errors and not result.failures, result.errors + result.failures
+    x = torch.ones(4)
+    assert_state_as_eager(lambda: [_reads_after_writes(x) for _ in range(3)], backend="replay",
+                          step_aside=False, cache_dir=str(cache_dir))
