@@ -18,7 +18,7 @@ from adaptive_eager.calibrate import calibrate
 from adaptive_eager.cache.disk import ensure_private_dir, resolve_cache_dir
 from adaptive_eager.cache.memory import META_CACHE, TRIE
 from adaptive_eager.compiler import _managers, reset_managers
-from adaptive_eager.dispatch import hops, mode, regions
+from adaptive_eager.dispatch import hops, mode, regions, tls
 from adaptive_eager.dispatch.lazy import install_parameter_patch
 from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.dispatch.mode import install_hooks as mode_hooks
@@ -259,6 +259,7 @@ class EngineContext:
                             presence.leave()  # kept for the next context
                         else:
                             presence.close()
+                    tls.repair()  # Note [mode stack under inference mode] in dispatch/tls.py
                 finally:
                     quiet = _run_log_quiet  # no run log due, this exit already marked pending
                     if quiet[0] is not self.options or _monotonic() >= quiet[1]:
@@ -339,6 +340,7 @@ def install_feature_hooks() -> None:
     first call: both skip what they already did."""
     regions.install()
     hops.install()
+    tls.install()  # Note [mode stack under inference mode] in dispatch/tls.py
     mode_hooks()  # the disarmed read guard's stand-ins (Note [read guard] in dispatch/mode.py)
 
 

@@ -20,7 +20,7 @@ class Metrics:
         "sym_guard_fallbacks", "sym_left", "sym_mispredicted", "sym_dims",
         "sym_programs", "sym_checked", "sym_program_fallbacks", "sym_trusted",
         "sym_guard_refused", "sym_guards_unknown", "sym_sizes_loaded", "sym_specialized",
-        "sym_unfusable",
+        "sym_unfusable", "key_repairs",
     )
 
     def __init__(self) -> None:
@@ -89,6 +89,9 @@ class Metrics:
         self.sym_sizes_loaded = 0  # sizes checked by an earlier process, read from disk
         self.sym_specialized = 0  # template programs refused: a dynamic size became a constant
         self.sym_unfusable = 0  # template traces the graph builder refused (Unfusable)
+        # dispatch keys set back to what the mode stack says (Note [mode stack under inference
+        # mode] in dispatch/tls.py)
+        self.key_repairs = 0
         self.program_waits: dict[str, float] = {}  # trace -> seconds until its program was ready
         self.flush_reasons: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()

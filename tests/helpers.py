@@ -111,3 +111,72 @@ def refcounts_around(watched: tuple, run: Callable[[], Any], times: int = 20
         ae.sync()
     gc.collect()
     return before, [sys.getrefcount(o) for o in watched]
+
+
+def global_state() -> dict[str, Any]:
+    """What a program may rely on staying as it was: the thread's dispatch key sets, both mode
+    stacks, grad/inference/forward-AD modes, autocast, backend and numeric flags, the default
+    generator, the Python profile and trace functions, torch.Tensor's methods and the global
+    module hooks (compare the state after a run under the engine with the state after the same
+    run in plain eager)."""
+    import sys
+
+    from torch.nn.modules import module as nn_module
+
+    c = torch._C
+    flags: dict[str, Any] = {}
+    for name, get in (("cudnn", lambda: (torch.backends.cudnn.enabled,
+                                         torch.backends.cudnn.benchmark,
+                                         torch.backends.cudnn.deterministic)),
+                      ("tf32", lambda: (torch.backends.cuda.matmul.allow_tf32,
+                                        torch.backends.cudnn.allow_tf32)),
+                      ("mkldnn", lambda: torch.backends.mkldnn.enabled),
+                      ("autocast", lambda: (torch.is_autocast_enabled("cpu"),
+                                            torch.get_autocast_dtype("cpu")))):
+        try:
+            flags[name] = get()
+        except Exception as err:  # a build without the backend: its absence is the state
+            flags[name] = type(err).__name__
+    return {
+        "include": str(c._dispatch_tls_local_include_set()),
+        "exclude": str(c._dispatch_tls_local_exclude_set()),
+        "function_modes": [c._get_function_stack_at(i) for i in range(c._len_torch_function_stack())],
+        "dispatch_modes": [c._get_dispatch_stack_at(i) for i in range(c._len_torch_dispatch_stack())],
+        "torch_function_state": c._get_torch_function_state(),
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+        "fwd_grad": c._is_fwd_grad_enabled(),
+        "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()),
+        "default_dtype": torch.get_default_dtype(),
+        "default_device": torch.get_default_device(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "threads": torch.get_num_threads(),
+        "rng": torch.get_rng_state().tolist(),
+        "profile": sys.getprofile(),
+        "trace": sys.gettrace(),
+        "tensor_methods": {k: id(v) for k, v in vars(torch.Tensor).items()},
+        "module_hooks": [len(d) for d in (
+            nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
+            nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks)],
+        **flags,
+    }
+
+
+def assert_state_as_eager(fn: Callable[[], Any], **options: Any) -> None:
+    """Run ``fn`` in plain eager and under the engine (same seed each) and require the global
+    state after the context to be the state after eager (``global_state``). The engine's
+    one-time, process-wide hooks are installed first by a context of their own (then forgotten:
+    the run under the engine starts from a fresh engine)."""
+    with ae.adaptive_eager(**options):
+        torch.ones(2).add_(1).sum().item()
+    ae.clear_caches()
+    torch.manual_seed(99)
+    fn()
+    want = global_state()
+    torch.manual_seed(99)
+    with ae.adaptive_eager(**options):
+        fn()
+    got = global_state()
+    diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
+    assert not diff, diff

@@ -12,7 +12,9 @@ so a real tensor with deferred in-place writes (an optimizer's parameters) is ne
 from __future__ import annotations
 
 import functools
+import sys
 import threading
+import weakref
 from types import MethodType
 from typing import Any
 
@@ -421,6 +423,7 @@ class ReadGuardMode(TorchFunctionMode):
         self.pushed = False  # on the function-mode stack, or held off it and coming back
         self.held = 0  # times it is off the stack now and will be put back
         self.recheck = False  # armed inside an autograd node: arm again when backward returns
+        self.leaving = False  # Note [a stale guard leaves at the next call]
 
     # Presence (aside.py) and calibrate enter and exit the engine's modes as a pair.
     def __enter__(self) -> ReadGuardMode:
@@ -443,6 +446,8 @@ class ReadGuardMode(TorchFunctionMode):
     def sync(self) -> None:
         """Arm or disarm as wanted, where that can be done now (Note [read guard])."""
         if self.held or _get_ident() != self.thread:
+            if self.held and self.pushed and _get_ident() == self.thread and not self.wanted():
+                self.leaving = True  # Note [a stale guard leaves at the next call]
             return
         want = self.wanted()
         if want is self.pushed:
@@ -503,6 +508,8 @@ class ReadGuardMode(TorchFunctionMode):
             return _with_eager_backward(func, args, kwargs)
         finally:
             self.held -= 1
+            if self.leaving and not self.held:
+                _leave_after_handler(self)
 
     def _item(self, t: Any) -> Any:
         """Note [item under the armed guard]
@@ -580,6 +587,44 @@ class ReadGuardMode(TorchFunctionMode):
             args = resolve_all(args)
         with _DisableDispatch():
             return func(*args, **kwargs)
+
+
+_LEAVE_EVENTS = 256  # calls and returns watched at most (torch may have taken it off for good meanwhile)
+
+
+def _leave_after_handler(guard: ReadGuardMode) -> None:
+    """Note [a stale guard leaves at the next call]
+    A flush inside the guard's own handler (a read of a tensor with a pending write: ``print``,
+    ``tolist``, torch.testing's comparisons) disarms it, but torch holds it off the stack for
+    the call and pushes it back after, so it stayed on the torch-function stack in the user's
+    code until the next flush outside a handler: a test's ``tearDown`` saw "torch function mode
+    stack was leaked", and every torch call paid its round trip meanwhile. So a profile function
+    (``sys.setprofile``, this thread only) waits for the first call or return after torch put it
+    back (not in its handler, not in an autograd node, on the stack again) and takes it off
+    there, then itself (after _LEAVE_EVENTS events at most, or once the guard is wanted again).
+    Never over another profile function or torch's profiler: those programs keep the stale
+    guard until the next flush point, as before (correct, only slower). The flush marks it
+    ``leaving``; the handler's end installs the profile function, so the flush itself
+    runs unwatched."""
+    guard.leaving = False
+    if (sys.getprofile() is not None or torch._C._autograd._profiler_enabled()
+            or _get_ident() != guard.thread):
+        return
+    ref = weakref.ref(guard)
+    left = [_LEAVE_EVENTS]
+
+    def point(frame: Any, event: str, arg: Any) -> None:
+        g = ref()
+        left[0] -= 1
+        if g is not None and not g.wanted() and left[0] > 0:
+            if g.held or _graph_task() != -1 or not g._on_stack():
+                return  # torch has not put it back yet, or an autograd node would
+            g._remove()
+            g.pushed = False
+            M.guard_disarms += 1
+        sys.setprofile(None)
+
+    sys.setprofile(point)
 
 
 # ---- hooks that stand in for the guard's duties while it is disarmed (Note [read guard]) -----
