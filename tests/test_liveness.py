@@ -142,7 +142,7 @@ _RSS_CHILD = textwrap.dedent('''
 
     def step(base):
         total = torch.zeros(())
-        for i in range(4):
+        for i in range(8):
             big = base.repeat(16_000) * (i + 1)   # 64 MB
             big2 = big.sin()                       # 64 MB
             big.exp()                              # 64 MB, never read
