@@ -8,7 +8,7 @@ recorded ops are what eager ran after autocast, and they must not be intercepted
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -64,18 +64,47 @@ def live_slots(trace: Trace) -> list[int]:
 
 
 def _release_plan(trace: Trace, live: list[int]) -> tuple[dict[int, list[int]], list]:
-    """For dead slots: after which op their value can be dropped (eager would have freed it);
-    as a dict by op and as a list by op (None, or a tuple of slots: the C loop's form)."""
+    """Note [replay liveness]
+    A value eager would already have freed must not outlive its last use in replay either: a
+    loop that makes and drops large temporaries with no sync in between would otherwise hold all
+    of them at once. A slot is dead when its lazy tensor is gone (the weak reference in
+    ``trace.refs``: the trace never holds the user's lazy tensors); its value is dropped right
+    after the last op that reads it (``trace.last``), or, when no op reads it, right after the op
+    that made it. Live slots are kept for publish. Paths that need more than the values
+    (replay_checked compares metadata) observe each op's outputs as they are made
+    (``replay(observe=...)``) rather than keeping every value to the end.
+
+    Returns the plan as a dict by op and as a list by op (None, or a tuple of slots: the C
+    loop's form)."""
     alive = set(live)
+    made: list[int] | None = None
     plan: dict[int, list[int]] = {}
     for s, last in enumerate(trace.last):
         if s not in alive:
+            if last < 0:  # never read: dropped once made
+                if made is None:
+                    made = _producers(trace)
+                last = made[s]
             plan.setdefault(last, []).append(s)
     drops: list = [None] * len(trace.ops)
     for i, slots in plan.items():
         if 0 <= i < len(drops):
             drops[i] = tuple(slots)
     return plan, drops
+
+
+def _producers(trace: Trace) -> list[int]:
+    """The index of the op that made each slot (-1 for none)."""
+    made = [-1] * trace.n_slots
+    for i, (_op, _args, _kwargs, slots) in enumerate(trace.ops):
+        stack = [slots]
+        while stack:
+            x = stack.pop()
+            if type(x) is int:
+                made[x] = i
+            elif x is not None:
+                stack.extend(x)
+    return made
 
 
 def call_plan(trace: Trace) -> list[tuple]:
@@ -113,12 +142,15 @@ def _needs_walk(a: Any) -> bool:
     return False
 
 
-def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> list:
+def replay(trace: Trace, live: list[int], check: bool, entry: Any = None,
+           observe: Callable[[int, list], None] | None = None) -> list:
     """Execute every op of ``trace`` in order; return the env of real values by slot.
 
     With the C accelerator (``accel``, Note [replay in C] in _hot.c) the loop runs in C, which
     hands the entries it does not take to ``_replay_one`` (this loop's own body); with
-    ADAPTIVE_EAGER_ACCEL=0 it runs here. Both give the same values, op for op."""
+    ADAPTIVE_EAGER_ACCEL=0 it runs here. Both give the same values, op for op. ``observe(i,
+    env)``, if given, sees each op's outputs before the values nothing reads any more are dropped
+    (Note [replay liveness]); it runs the loop here (a rare path: checked replays)."""
     ops = trace.ops
     env: list[Any] = [None] * trace.n_slots
     plan = None
@@ -137,7 +169,7 @@ def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> lis
         plan = call_plan(trace)
         release, drops = _release_plan(trace, live)
     grad_ops = trace.grad_ops
-    if _c_replay is not None and trace.engine.options.accel:
+    if _c_replay is not None and observe is None and trace.engine.options.accel:
         with ReplayGuard():
             _c_replay(ops, plan, env, drops, grad_ops or None)
         return env
@@ -147,6 +179,8 @@ def replay(trace: Trace, live: list[int], check: bool, entry: Any = None) -> lis
             # the pure-Python path (accel off): one op as the C loop hands it back, per op
             for i in range(len(plan)):
                 _replay_one(ops, plan, grad_ops, i, env)
+                if observe is not None:
+                    observe(i, env)
                 drop = release.get(i)
                 if drop is not None:
                     for s in drop:

@@ -57,8 +57,14 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
     M.compiled_runs += 1
     M.ops_fused += len(tr.ops)
     env: list[Any] = [None] * tr.n_slots
+    refs = tr.refs
     for s, out in zip(g.live, outs):
-        env[s] = out
+        # A program serves runs whose live slots it covers: an output the user has dropped
+        # since it was compiled is freed here, not held to the end of the flush (Note
+        # [replay liveness] in execute.py).
+        if refs[s]() is not None:
+            env[s] = out
+    del outs
     _fix_layouts(mgr, entry, tr, env, g.live)
     return env
 

@@ -1007,7 +1007,9 @@ def predict(tr: Any, op: Any, key: tuple) -> Any:
 # ---- checking (called from engine._execute for traces that used a template) -------------
 def replay_checked(tr: Any, live: list[int], check: bool, entry: TraceEntry) -> list:
     """Op-by-op replay; where a value of s is not verified yet, compare the real metadata of
-    every predicted output with the prediction (Note [symbolic dims], Checking)."""
+    every predicted output with the prediction (Note [symbolic dims], Checking). The metadata
+    is taken as each op runs: values nothing reads any more are dropped as in any replay
+    (Note [replay liveness] in execute.py)."""
     from adaptive_eager.execute import replay
 
     st: SymTrace = tr.sym
@@ -1016,15 +1018,24 @@ def replay_checked(tr: Any, live: list[int], check: bool, entry: TraceEntry) -> 
     todo_ops = [p for p in st.preds if p[3] not in p[2].verified]
     if not todo_tpl and not todo_ops:
         return replay(tr, live, check, entry)
-    env = replay(tr, list(range(tr.n_slots)), check, None)  # keep every value to compare
+    watch = {p[0] for p in todo_ops}
+    if todo_tpl:
+        watch.update(range(st.first, st.first + len(st.outs)))
+    metas: list[Any] = [None] * tr.n_slots
+
+    def observe(i: int, env: list) -> None:
+        if i in watch:
+            _note_metas(tr.ops[i][3], env, metas)
+
+    env = replay(tr, live, check, None, observe)
     with _DisableDispatch(), _DisableFunction():
         if todo_tpl:
             bad: list = []
             for k, pred in enumerate(st.outs):
                 n_bad = len(bad)
-                _compare(pred, tr.ops[st.first + k][3], env, bad)
+                _compare(pred, tr.ops[st.first + k][3], metas, bad)
                 if len(bad) > n_bad:
-                    _fix_trie(entry, st.first + k, tr.ops[st.first + k][3], env)
+                    _fix_trie(entry, st.first + k, tr.ops[st.first + k][3], metas)
             if bad:
                 _mispredicted(tpl, tr, bad)
             elif len(st.outs) == len(tpl.steps):  # the whole template ran at this s
@@ -1034,45 +1045,54 @@ def replay_checked(tr: Any, live: list[int], check: bool, entry: TraceEntry) -> 
             if k >= len(tr.ops) or tr.ops[k][0] is not op:
                 continue  # never recorded (the op ran at once after all)
             bad = []
-            _compare(pred, tr.ops[k][3], env, bad)
+            _compare(pred, tr.ops[k][3], metas, bad)
             if bad:
                 _mispredicted(fam, tr, bad)
-                _fix_trie(entry, k, tr.ops[k][3], env)
+                _fix_trie(entry, k, tr.ops[k][3], metas)
             else:
                 fam.verified.add(s)
-    alive = set(live)
-    for slot in range(len(env)):
-        if slot not in alive:
-            env[slot] = None
     return env
 
 
-def _fix_trie(entry: TraceEntry, k: int, slots: Any, env: list) -> None:
+def _note_metas(slots: Any, env: list, metas: list) -> None:
+    """The real metadata of an op's output slots, by slot (None where no tensor came)."""
+    if type(slots) is int:
+        real = env[slots]
+        if isinstance(real, torch.Tensor):
+            metas[slots] = meta_of(real)
+    elif slots is not None:
+        for sl in slots:
+            _note_metas(sl, env, metas)
+
+
+def _fix_trie(entry: TraceEntry, k: int, slots: Any, metas: list) -> None:
     """The static trie path of this trace keeps eager's metadata for op k, not the guess."""
     node: TrieNode | None = entry.node
     while node is not None and node.depth > k + 1:
         node = node.parent
     if node is not None and node.depth == k + 1:
-        node.out = _real_out(node.out, slots, env)
+        node.out = _real_out(node.out, slots, metas)
 
 
-def _real_out(out: Any, slots: Any, env: list) -> Any:
+def _real_out(out: Any, slots: Any, metas: list) -> Any:
     if type(out) is Meta:
-        return meta_of(env[slots])
+        real = metas[slots]
+        return out if real is None else real
     if type(out) in (tuple, list) and slots is not None:
-        return type(out)(o if sl is None else _real_out(o, sl, env) for o, sl in zip(out, slots))
+        return type(out)(o if sl is None else _real_out(o, sl, metas)
+                         for o, sl in zip(out, slots))
     return out
 
 
-def _compare(pred: Any, slots: Any, env: list, bad: list) -> None:
+def _compare(pred: Any, slots: Any, metas: list, bad: list) -> None:
     if type(pred) is Meta:
-        real = env[slots]
-        if isinstance(real, torch.Tensor) and meta_of(real) is not pred:
-            bad.append((slots, pred, meta_of(real)))
+        real = metas[slots]
+        if real is not None and real is not pred:
+            bad.append((slots, pred, real))
     elif type(pred) in (tuple, list) and slots is not None:
         for p, sl in zip(pred, slots):
             if sl is not None:
-                _compare(p, sl, env, bad)
+                _compare(p, sl, metas, bad)
 
 
 def _mispredicted(tpl: Any, tr: Any, bad: list) -> None:
