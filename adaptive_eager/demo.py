@@ -161,8 +161,8 @@ def explain(fused: Run, eager_ms: float | None) -> list[str]:
     elif dropped:
         where = ("an earlier run (the disk cache kept its decision)"
                  if any(e.decision.endswith(_EARLIER) for e in dropped) else "this run")
-        lines.append(f"verdict: the engine runs this step op by op, as measured and decided in "
-                     f"{where}: a decision, not a fault (the results equal eager's)")
+        lines.append(f"verdict: the engine runs this step op by op, as decided in {where} "
+                     "for the reason above: the engine's decision, not a fault")
     else:
         lines.append("verdict: no trace was decided in this run (too few --steps to compile "
                      "and measure a program)")
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elements", type=int, default=1 << 20, help="size of the state")
     args = parser.parse_args(argv)
     steps, n = max(args.steps, 1), max(args.elements, 1)
+    if ae.is_enabled():  # ADAPTIVE_EAGER=1: the eager reference must run without the engine
+        ae.disable()
+        print("the engine was on (ADAPTIVE_EAGER=1): switched off; the demo enters it itself")
     print(f"workload: {steps} steps of a 13-op elementwise update of a {n:,}-element float32 "
           f"state, {torch.get_num_threads()} CPU thread(s)")
     eager = run(steps, n, None)

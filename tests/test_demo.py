@@ -121,3 +121,14 @@ def test_demo_fails_on_a_counted_engine_fault(monkeypatch: pytest.MonkeyPatch,
     out = capsys.readouterr().out
     assert "bitwise equal to eager's: True" in out, out
     assert re.search(r"FAULT: fallbacks=\d+", out), out
+
+
+def test_demo_runs_its_eager_reference_without_an_engine_switched_on(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # under ADAPTIVE_EAGER=1 the engine is on before the demo starts: the reference it compares
+    # against would have run under the engine
+    ae.enable(backend="replay")
+    assert demo.main(["--steps", "2", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "the engine was on (ADAPTIVE_EAGER=1): switched off" in out, out
+    assert not ae.is_enabled()
