@@ -328,7 +328,7 @@ class _Gen:
     # -- statement kinds (each returns whether it emitted)
     def k_opinfo(self) -> bool:
         dtype = self.c.choice(DTYPES)
-        keys = opinfo_keys(dtype)
+        keys = [k for k in opinfo_keys(dtype) if "op:" + k not in self.exclude]
         if not keys:
             return False
         key = self.c.choice(keys)
@@ -347,7 +347,8 @@ class _Gen:
 
     def k_opinfo_inplace(self) -> bool:
         dtype = self.c.choice(DTYPES)
-        keys = [k for k in opinfo_keys(dtype) if opinfo_db()[k].inplace_variant is not None]
+        keys = [k for k in opinfo_keys(dtype) if opinfo_db()[k].inplace_variant is not None
+                and "op:" + k not in self.exclude]
         if not keys:
             return False
         key = self.c.choice(keys)
