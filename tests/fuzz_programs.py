@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import math
 import random
@@ -186,7 +187,7 @@ def _clone(v: Any) -> Any:
 
 
 def opinfo(key: str, dtype: torch.dtype, idx: int, x: torch.Tensor | None = None) -> Any:
-    """Op ``key`` on its sample ``idx`` (fresh clones), with ``x`` in place of the sample's input."""
+    """Op ``key`` on its sample ``idx`` (fresh clones), ``x`` in place of the sample's input."""
     s = samples(key, dtype)[idx]
     inp = x if x is not None else _clone(s.input)
     return opinfo_db()[key].op(inp, *_clone(s.args), **_clone(s.kwargs))
@@ -225,6 +226,8 @@ class Program:
             "import adaptive_eager as ae",
             "from fuzz_programs import opinfo, opinfo_  # tests/ on sys.path",
             "",
+            f"OPTS = dict({opts})",
+            "",
             "def run(engine):",
             "    torch.manual_seed(0)",
             *("    " + ln for ln in self.inputs),
@@ -233,15 +236,16 @@ class Program:
         body = [ln for stmt in self.body for ln in stmt.splitlines()]
         if self.per_round_context:
             lines += [f"    for _ in range({self.iters}):",
-                      f"        with (ae.adaptive_eager({opts}) if engine else contextlib.nullcontext()):",
+                      "        with ae.adaptive_eager(**OPTS) if engine else "
+                      "contextlib.nullcontext():",
                       *("            " + ln for ln in body)]
         else:
-            lines += [f"    with (ae.adaptive_eager({opts}) if engine else contextlib.nullcontext()):",
+            lines += ["    with ae.adaptive_eager(**OPTS) if engine else contextlib.nullcontext():",
                       f"        for _ in range({self.iters}):",
                       *("            " + ln for ln in body),
                       "            ae.sync()"]
-        lines += ["    return {k: v for k, v in locals().items() if k[0] in 'xtn' and k[1:].isdigit()}",
-                  ""]
+        lines += ["    return {k: v for k, v in locals().items()",
+                  "            if k[0] in 'xtn' and k[1:].isdigit()}", ""]
         lines.insert(0, "import contextlib")
         return "\n".join(lines) + _SCRIPT_TAIL.format(mode=mode)
 
@@ -314,6 +318,8 @@ class _Gen:
                 line = f"{name} = torch.randint(-5, 6, {shape})"
             if self.c.coin(0.2) and len(shape) >= 2:
                 line += ".transpose(0, 1)"  # a non-contiguous input
+            if dtype.is_floating_point and self.c.coin(0.1):
+                line += ".requires_grad_()"  # a leaf: in-place writes to it raise
             self.inputs.append(line)
             exec(line, self.ns)
 
@@ -535,9 +541,68 @@ class _Gen:
         op = self.c.choice(ops)
         return self.emit("error", op.format(a=a, t=t), raises=True)
 
+    def k_autograd(self) -> bool:
+        """A leaf made from a pool tensor, a loss, backward, its gradient read."""
+        a = self.pick(lambda t: t.numel() >= 1)
+        if a is None:
+            return False
+        w, l, g = self.fresh(), self.fresh(), self.fresh()
+        f = self.c.choice(["({w}.tanh() * {w}).sum()", "({w} * 3).exp().clamp(max=1e3).mean()",
+                           "{w}.pow(2).sum() + {w}.sum()", "F.softplus({w}).prod()",
+                           "({w}.unsqueeze(0) * {w}.unsqueeze(-1)).sum()",
+                           "{w}.flatten().cumsum(0).sum()"])
+        stmt = (f"{w} = {a}.detach().double().clone().requires_grad_()\n"
+                f"{l} = " + f.format(w=w) + f"\n{l}.backward()\n{g} = {w}.grad")
+        return self.emit("autograd", stmt)
+
+    def k_out(self) -> bool:
+        """``out=`` variants: into a fresh empty tensor (resized), or into a view of a base."""
+        a = self.pick()
+        if a is None:
+            return False
+        ta = self.ns[a]
+        p = self.pick(lambda t: t.shape == ta.shape and t.dtype == ta.dtype and t is not ta)
+        t = self.fresh()
+        ops = [f"{t} = torch.empty(0, dtype={a}.dtype)\ntorch.mul({a}, 2, out={t})",
+               f"{t} = torch.empty(3, dtype={a}.dtype)\ntorch.neg({a}, out={t})"]
+        if p is not None:
+            ops += [f"torch.add({a}, {p}, out={p})", f"torch.mul({a}, {a}, out={p})",
+                    f"torch.maximum({a}, {p}, out={p})"]
+        return self.emit("out", self.c.choice(ops))
+
+    def k_inplace_view(self) -> bool:
+        """Ops that change a tensor's own shape or strides (``t_``, ``unsqueeze_``, ``resize_``)."""
+        a = self.pick(lambda t: t.numel() >= 2)
+        if a is None:
+            return False
+        t, r = self.fresh(), self.fresh()
+        dim = self.ns[a].dim()
+        ops = ["{t}.unsqueeze_(0)", "{t}.squeeze_()", "{t}.resize_(2)",
+               "{t}.as_strided_((2,), (1,))", "{t}.unsqueeze_(-1).transpose_(0, -1)"]
+        if dim == 2:
+            ops += ["{t}.t_()"]
+        if dim >= 2:
+            ops += ["{t}.transpose_(0, 1)", "{t}.swapdims_(0, -1)"]
+        src = self.c.choice([f"{a}.clone()", f"{a}.view_as({a})"]) if dim else f"{a}.clone()"
+        op = self.c.choice(ops).format(t=t)
+        return self.emit("inplace_view", f"{t} = {src}\n{op}\n{r} = {t} * 2")
+
+    def k_detach(self) -> bool:
+        """Aliases autograd does not see (``detach()``, ``.data``) written, then the base read."""
+        a = self.pick()
+        if a is None:
+            return False
+        d, r = self.fresh(), self.fresh()
+        op = self.c.choice(["{d} = {a}.detach()\n{d}.add_(1)",
+                            "{d} = {a}.data\n{d}.mul_(2)",
+                            "{d} = {a}.detach().view(-1)\n{d}[0] = -1",
+                            "{d} = {a} * {a}.flatten()[0].item()"])
+        return self.emit("detach", op.format(a=a, d=d) + f"\n{r} = {a} + 0")
+
 
 _KINDS = ("opinfo", "opinfo", "opinfo_inplace", "binary", "binary", "unary", "reduce", "matmul",
-          "cat", "view", "view", "inplace", "inplace", "alias", "numpy", "rng", "branch")
+          "cat", "view", "view", "inplace", "inplace", "alias", "numpy", "rng", "branch",
+          "autograd", "out", "inplace_view", "detach")
 FEATURES = tuple(sorted(set(_KINDS))) + ("error",)
 
 
@@ -650,10 +715,11 @@ def run_program(p: Program, mode: str | None) -> Outcome:
 def _snapshot(v: Any) -> Any:
     """A plain copy of a value (tensor values and metadata; numpy arrays; scalars as they are)."""
     if isinstance(v, torch.Tensor):
-        meta = (v.dtype, tuple(v.shape), v.stride(), v.storage_offset())
+        meta = (v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.requires_grad)
         plain = torch.empty(v.shape, dtype=v.dtype)
-        plain.copy_(v)  # a real tensor (the engine's are materialized once their context exits)
-        return ("tensor", meta, plain)
+        plain.copy_(v.detach())  # real (the engine's are materialized once their context exits)
+        grad = v.grad if v.is_leaf and v.requires_grad else None
+        return ("tensor", meta, plain, None if grad is None else _snapshot(grad))
     if isinstance(v, np.ndarray):
         return ("ndarray", (v.dtype, v.shape, v.strides), v.copy())
     if isinstance(v, (tuple, list)):
@@ -691,11 +757,18 @@ def _diff_value(a: Any, b: Any, fused: bool) -> list[str]:
     if a[0] != b[0]:
         return [f"kind {a[0]} vs {b[0]}"]
     if a[0] == "tensor":
-        (dt, shape, stride, off), x = a[1], a[2]
-        (dt2, shape2, stride2, off2), y = b[1], b[2]
+        (dt, shape, stride, off, rg), x = a[1], a[2]
+        (dt2, shape2, stride2, off2, rg2), y = b[1], b[2]
         if (dt, shape) != (dt2, shape2):
             return [f"dtype/shape {dt}{shape} vs {dt2}{shape2}"]
         out = []
+        if rg != rg2:
+            out.append(f"requires_grad {rg} vs {rg2}")
+        if (a[3] is None) != (b[3] is None):
+            out.append(f"grad {'None' if a[3] is None else 'set'} vs "
+                       f"{'None' if b[3] is None else 'set'}")
+        elif a[3] is not None:
+            out += [f".grad {d}" for d in _diff_value(a[3], b[3], fused)]
         if (stride, off) != (stride2, off2):
             out.append(f"stride/offset {stride}+{off} vs {stride2}+{off2}")
         if not _values_equal(x, y, FUSED_TOL.get(dt) if fused else None):
@@ -825,7 +898,12 @@ def sweep(mode: str, n: int, first: int = 0, exclude: frozenset[str] = frozenset
         p = generate(Chooser(seed), mode, exclude, opinfo_ops,
                      max_statements=6 if small else 10, small=small)
         p.seed = seed
-        diffs = check(p, mode)
+        # a program still running after 300 s prints every thread's stack (a hang is a finding)
+        faulthandler.dump_traceback_later(300, exit=False)
+        try:
+            diffs = check(p, mode)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         counts["programs"] += 1
         for key in ("compiled_runs", "replayed_runs", "compile_errors", "fused_errors",
                     "quarantined", "fallback_ops", "engine_errors"):
