@@ -915,7 +915,7 @@ def sweep(mode: str, n: int, first: int = 0, exclude: frozenset[str] = frozenset
             counts["mismatches"] += 1
             counts["class: " + classify(diffs)] += 1
             print(f"=== seed {seed} ===\n" + report(p, mode, diffs), file=out, flush=True)
-        if (seed - first + 1) % 50 == 0:
+        if (seed - first + 1) % (50 if mode == "replay" else 5) == 0:
             print(f"# {seed - first + 1}/{n} programs, {counts['mismatches']} mismatches, "
                   f"{time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     return counts
