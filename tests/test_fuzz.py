@@ -38,7 +38,6 @@ import fuzz_programs as fp  # noqa: E402  (tests/ is on sys.path)
 # Statement kinds (or OpInfo ops, "op:NAME") left out of the fuzzed programs while a known bug
 # stands (see the module doc); each has its strict xfail in tests/test_fuzz_regressions.py.
 KNOWN: frozenset[str] = frozenset({
-    "op:tensor_split",  # test_tensor_split_with_pending_indices
     "op:norm.nuc",  # test_svdvals_bitwise_under_replay
 })
 

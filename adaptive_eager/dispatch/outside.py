@@ -252,6 +252,25 @@ def _on_values(name: str, orig: Any) -> Any:
     return _mark(call)
 
 
+def _index_values(orig: Any, at: int, names: tuple[str, ...]) -> Any:
+    """A composite that reads an index tensor's data in C++ (``tensor_split``'s tensor of
+    indices): a pending index is computed first, so C++ reads its value, not a wrapper's absent
+    data. Other calls (sections as ints, a real index) pay one type check."""
+    from adaptive_eager.dispatch.lazy import LazyTensor
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > at and type(args[at]) is LazyTensor:
+            args = (*args[:at], _real(args[at]), *args[at + 1:])
+        elif kwargs:
+            for name in names:
+                if type(kwargs.get(name)) is LazyTensor:
+                    kwargs = {**kwargs, name: _real(kwargs[name])}
+        return orig(*args, **kwargs)
+
+    functools.update_wrapper(call, orig)
+    return _mark(call)
+
+
 def _subclassing(orig: Any, at: int) -> Any:
     """``as_subclass``/``_make_subclass``: C aliases (or detaches) the tensor and wraps the
     result in a new Python object of the class. Under the engine the alias would reach its
@@ -319,6 +338,9 @@ def install() -> None:
     _set(dlpack, "to_dlpack", _to_dlpack)
     for name in _SPARSE:
         _set(torch, name, functools.partial(_on_values, name))
+    split_names = ("indices_or_sections", "tensor_indices_or_sections", "indices")
+    _set(torch, "tensor_split", lambda orig: _index_values(orig, 1, split_names))
+    _set(_T, "tensor_split", lambda orig: _index_values(orig, 1, split_names))
     _set(_T, "as_subclass", lambda orig: _subclassing(orig, 0))
     _set(_T, "_make_subclass", lambda orig: staticmethod(_subclassing(orig, 1)))
     prop = _T.__dict__.get("__cuda_array_interface__")
