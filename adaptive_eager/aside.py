@@ -136,6 +136,7 @@ programs keep the other safe points.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -869,6 +870,7 @@ class Presence:
         self._depth = 0
         if kind == "roots":
             _hide_ticks_from_torchscript()
+            _hide_ticks_from_pickles()
             try:
                 before, after = _RootTick(self, False), _RootTick(self, True)
                 for m in roots:
@@ -939,6 +941,39 @@ def _hide_ticks_from_torchscript() -> None:
 
     get_hook_stubs._ae_wrapped = True  # type: ignore[attr-defined]
     _recursive.get_hook_stubs = get_hook_stubs
+
+
+_TICK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+_TICK_EXTRAS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks_with_kwargs")
+
+
+def _hide_ticks_from_pickles() -> None:
+    """A root's tick hooks are the engine's, not the model's (Note [root ticks]): ``torch.save``
+    of the module, ``pickle`` and ``copy.deepcopy`` leave them out (``Module.__getstate__``),
+    so a checkpoint written under the engine loads where the engine is absent, and under
+    ``torch.load(weights_only=True)``'s allow-list of globals."""
+    orig = torch.nn.Module.__getstate__
+    if getattr(orig, "_ae_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def __getstate__(self: torch.nn.Module) -> Any:
+        state = orig(self)
+        for name in _TICK_DICTS:
+            hooks = state.get(name)
+            if not hooks or not any(type(h) is _RootTick for h in hooks.values()):
+                continue
+            ours = {k for k, h in hooks.items() if type(h) is _RootTick}
+            state[name] = type(hooks)((k, h) for k, h in hooks.items() if k not in ours)
+            for extra in _TICK_EXTRAS:  # the hooks' flags, keyed by the same handle ids
+                flags = state.get(extra)
+                if flags and not ours.isdisjoint(flags):
+                    state[extra] = type(flags)((k, v) for k, v in flags.items() if k not in ours)
+        return state
+
+    __getstate__._ae_wrapped = True  # type: ignore[attr-defined]
+    torch.nn.Module.__getstate__ = __getstate__  # type: ignore[method-assign]
 
 
 class _RootTick:

@@ -396,3 +396,34 @@ def test_varlen_benchmark_median_and_table() -> None:
     table = varlen._table({"generate": rows})
     assert "| gpt2/no_grad | engine | 1.25 | 0.80x | 1.25 | 1.05 | 3/3 (aside) | - | 0 |" in table
     assert "1.02 (paired) | 1.01 (paired) | 3/3 (waiting on compiles)" in table
+
+
+def test_checkpoints_written_aside_hold_nothing_of_the_engine(
+        monkeypatch: pytest.MonkeyPatch, cache_dir: Path, graph_backend: Any) -> None:
+    """Aside, the root carries the engine's tick hooks (Note [root ticks]); what a program
+    saves leaves them out: ``torch.save`` of the module loads under ``weights_only`` with only
+    the model's own classes allowed, and pickles and deep copies carry nothing of the engine."""
+    import copy
+    import io
+    import pickle
+
+    _always_aside(monkeypatch)
+    torch.manual_seed(0)
+    model = _Model()
+    with torch.no_grad(), ae.adaptive_eager(backend=graph_backend.name, hot_after=2,
+                                            compile_async=False, cache_dir=str(cache_dir),
+                                            disk_cache=False, probe_every=1000):
+        _decode(model, 40)
+        assert _module_hooks(model) == 2  # the premise: aside, ticks on the root
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        data = pickle.dumps(model)
+        twin = copy.deepcopy(model)
+        assert _module_hooks(model) == 2  # the live module keeps them
+    assert b"adaptive_eager" not in buf.getvalue() and b"adaptive_eager" not in data
+    assert _module_hooks(twin) == 0
+    buf.seek(0)
+    with torch.serialization.safe_globals([_Model, *{type(m) for m in model.modules()}]):
+        loaded = torch.load(buf, weights_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(_decode(loaded, 3), _decode(model, 3))
