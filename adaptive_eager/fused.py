@@ -42,7 +42,11 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
     reals = [t.detach() for t in ext_reals(tr)]
     if crosscheck:
         return _crosschecked(mgr, entry, program, tr, reals)
-    inputs = g.inputs(reals, tr.scalars)
+    try:
+        inputs = g.inputs(reals, tr.scalars)
+    except Exception as err:  # an engine fault: counted, and this run goes op by op
+        mgr.fused_failed(entry, err)
+        return None
     if inputs is None:
         return None  # aliased inputs moved since compiling: this run goes op by op
     start = time.perf_counter()

@@ -310,9 +310,12 @@ class TraceGraph:
     dynamic: tuple[tuple[int, ...], ...] | None = None
     # per output: what it aliases in eager (Note [output aliasing]); None: not known
     out_roots: tuple[tuple[str, int], ...] | None = None
+    n_ext: int = -1  # the trace's externals when built (-1: not known)
 
     def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any] | None:
         """Program inputs for this run, or None when its aliased inputs moved (then replay)."""
+        if self.n_ext >= 0 and len(ext_reals) != self.n_ext:
+            return None  # not the inputs it was built for: never expected, replay
         tensors = _tensor_inputs(self.plan, ext_reals)
         if tensors is None or any(ext_reals[i].storage_offset() != off
                                   for i, off in self.offsets):
@@ -585,7 +588,7 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
                       live=tuple(live),
                       example_inputs=[*tensors, *(_scalar_input(scalars[i]) for i in lifted)],
                       n_ops=len(trace.ops), dynamic=dynamic,
-                      out_roots=_output_roots(trace, live))
+                      out_roots=_output_roots(trace, live), n_ext=len(reals))
 
 
 # Note [symbolic programs]

@@ -139,3 +139,70 @@ def test_two_outputs_one_object_keep_their_own_metadata() -> None:
                     a.clone(), b.clone(), c.clone()]
         return out
     _check(run)
+
+
+# ---- a fused program's inputs (Note [unrecorded op's inputs] in trace.py) ---------------------
+def _nested_and_sparse() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    out: list[torch.Tensor] = []
+    for _ in range(4):
+        a, b = torch.randn(3, 4), torch.randn(5, 4)
+        nt = torch.nested.nested_tensor([a, b])
+        out += [t.clone() for t in (nt + 1).sin().unbind()]
+        out.append(torch.nested.to_padded_tensor(nt * 2, 0.0))
+        out += [t.clone() for t in torch.nested.as_nested_tensor([a * 2, b]).unbind()]
+        i = torch.tensor([[0, 1, 1, 2], [2, 0, 2, 1]])
+        s = torch.sparse_coo_tensor(i, a[0, :4].clone(), (3, 3))
+        out.append((s + s * 2).coalesce().to_dense() + torch.sparse.mm(s, a[:3]).sum())
+    return out
+
+
+def test_unrecorded_op_leaves_no_inputs_behind() -> None:
+    """Nested-tensor ops are not recorded after their tensor arguments were numbered: a
+    program's input plan then indexed past a later run's inputs (IndexError at the user's
+    line)."""
+    m = _check(_nested_and_sparse, want_fused=False)
+    assert m["fused_errors"] == 0, m
+
+
+def test_unrecorded_op_forgets_its_externals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op that is numbered and then not recorded takes its inputs' numbers back."""
+    from adaptive_eager.engine import Engine, RunNow, owned_engine
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise RunNow("test")
+
+    with ae.adaptive_eager(**{**FAST, "accel": False}):
+        eng = owned_engine()
+        assert eng is not None
+        monkeypatch.setattr(Engine, "_metadata", refuse)
+        tr = eng.trace
+        before = (len(tr.ext), len(tr.scalars), dict(tr.groups))
+        y = torch.zeros(4)
+        got = torch.add(torch.ones(4), y, alpha=3.0)  # numbers y and 3.0, then runs at once
+        assert (len(tr.ext), len(tr.scalars), dict(tr.groups)) == before
+        assert got.tolist() == [1.0] * 4
+
+
+def test_input_plan_fault_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault while forming a program's inputs runs the trace op by op and is counted."""
+    from adaptive_eager import graph as graph_mod
+
+    def broken(plan: object, reals: object) -> None:
+        raise IndexError("list index out of range")
+
+    def run() -> list[torch.Tensor]:
+        w = torch.ones(4)
+        out = []
+        for i in range(5):
+            w.mul_(0.5).add_(float(i))
+            out.append(w.clone())
+        return out
+    want = run()
+    with ae.adaptive_eager(**FAST):
+        got = run()[:2]
+        monkeypatch.setattr(graph_mod, "_tensor_inputs", broken)
+        got += run()[2:]
+    for a, b in zip(want[2:], got[2:]):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    assert ae.metrics()["fused_errors"] > 0
