@@ -165,25 +165,6 @@ def test_unrecorded_op_leaves_no_inputs_behind() -> None:
     assert m["fused_errors"] == 0, m
 
 
-def test_unrecorded_op_forgets_its_externals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An op that is numbered and then not recorded takes its inputs' numbers back."""
-    from adaptive_eager.engine import Engine, RunNow, owned_engine
-
-    def refuse(*args: object, **kwargs: object) -> object:
-        raise RunNow("test")
-
-    with ae.adaptive_eager(**{**FAST, "accel": False}):
-        eng = owned_engine()
-        assert eng is not None
-        monkeypatch.setattr(Engine, "_metadata", refuse)
-        tr = eng.trace
-        before = (len(tr.ext), len(tr.scalars), dict(tr.groups))
-        y = torch.zeros(4)
-        got = torch.add(torch.ones(4), y, alpha=3.0)  # numbers y and 3.0, then runs at once
-        assert (len(tr.ext), len(tr.scalars), dict(tr.groups)) == before
-        assert got.tolist() == [1.0] * 4
-
-
 def test_input_plan_fault_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fault while forming a program's inputs runs the trace op by op and is counted."""
     from adaptive_eager import graph as graph_mod
