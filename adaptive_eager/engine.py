@@ -254,8 +254,9 @@ class Engine:
             self.busy = False
             with self.lock:  # another thread is running this trace: wait for it, then record
                 return self.record(op, spec, args, kwargs, grad)
+        tr = self.trace
+        n_ext, n_scalars = len(tr.ext), len(tr.scalars)
         try:
-            tr = self.trace
             # The key starts with the op's OpSpec, not the op: an OpOverload hashes in Python
             # (a frame per dict lookup), an OpSpec by identity (Note [hot path costs]).
             key: list[Any] = [spec]
@@ -350,6 +351,11 @@ class Engine:
             if spec.writes is not None and not self.ext_writes:
                 self._note_writes(spec, args, kwargs, tr)
             M.ops_deferred += 1
+        except BaseException:
+            # Note [unrecorded op's inputs]: an op that is not recorded numbers no input
+            if len(tr.ops) == n_op and (len(tr.ext) != n_ext or len(tr.scalars) != n_scalars):
+                tr.forget(n_ext, n_scalars)
+            raise
         finally:
             self.busy = False
         if n_op + 1 >= self.cap:

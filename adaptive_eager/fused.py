@@ -42,7 +42,11 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
     reals = [t.detach() for t in ext_reals(tr)]
     if crosscheck:
         return _crosschecked(mgr, entry, program, tr, reals)
-    inputs = g.inputs(reals, tr.scalars)
+    try:
+        inputs = g.inputs(reals, tr.scalars)
+    except Exception as err:  # an engine fault: counted, and this run goes op by op
+        mgr.fused_failed(entry, err)
+        return None
     if inputs is None:
         return None  # aliased inputs moved since compiling: this run goes op by op
     start = time.perf_counter()
@@ -58,7 +62,7 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
     M.ops_fused += len(tr.ops)
     env: list[Any] = [None] * tr.n_slots
     refs = tr.refs
-    for s, out in zip(g.live, outs):
+    for s, out in zip(g.live, _repaired(entry, program, tr, reals, outs)):
         # A program serves runs whose live slots it covers: an output the user has dropped
         # since it was compiled is freed here, not held to the end of the flush (Note
         # [replay liveness] in execute.py).
@@ -67,6 +71,73 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
     del outs
     _fix_layouts(mgr, entry, tr, env, g.live)
     return env
+
+
+_ALIAS, _COPY = 0, 1
+
+
+def _repaired(entry: TraceEntry, program: Any, tr: Trace, reals: list[torch.Tensor],
+              outs: Any) -> Any:
+    """The outputs, with those that alias more than in eager re-viewed or copied (Note
+    [output aliasing] in graph.py). What a program returns is fixed by its code, so the repairs
+    are found at its first run and kept with the entry."""
+    known = entry.alias_fix
+    if known is None or known[0] is not program:
+        known = entry.alias_fix = (program, _alias_actions(entry.graph.out_roots, reals, outs))
+    actions = known[1]
+    if not actions:
+        return outs
+    outs = list(outs)
+    for k, action in actions:
+        out = outs[k]
+        if action == _ALIAS:
+            outs[k] = torch.ops.aten.alias.default(out)  # the same memory, its own metadata
+        else:
+            w = tr.refs[entry.graph.live[k]]()
+            want = meta_of(out) if w is None else w._ae_meta
+            fresh = torch.empty_strided(want.size, want.stride, dtype=want.dtype,
+                                        device=want.device)
+            fresh.copy_(out)
+            outs[k] = fresh
+        M.alias_fixes += 1
+    return outs
+
+
+def _storage_ptr(t: Any) -> int:
+    """The address of a strided tensor's storage (0: none, or not strided)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return 0
+    return t.untyped_storage().data_ptr()
+
+
+def _alias_actions(roots: Any, reals: list[torch.Tensor], outs: Any
+                   ) -> tuple[tuple[int, int], ...]:
+    """(output index, _ALIAS or _COPY) for each output that shares memory where eager's does
+    not: the same object as an earlier output, an input's storage that it is no view of, or
+    the storage of an earlier output of another root."""
+    if roots is None or len(roots) != len(outs):
+        return ()
+    inputs = {_storage_ptr(t) for t in reals}
+    inputs.discard(0)
+    by_obj: dict[int, int] = {}
+    by_ptr: dict[int, Any] = {}
+    actions: list[tuple[int, int]] = []
+    for k, (out, root) in enumerate(zip(outs, roots)):
+        if not isinstance(out, torch.Tensor):
+            continue
+        j = by_obj.setdefault(id(out), k)
+        if j != k:
+            actions.append((k, _ALIAS if roots[j] == root else _COPY))
+            continue
+        p = _storage_ptr(out)
+        if not p:
+            continue
+        own_input = root[0] == "x" and _storage_ptr(reals[root[1]]) == p
+        if own_input:
+            continue
+        if p in inputs or by_ptr.setdefault(p, root) != root:
+            actions.append((k, _COPY))
+    return tuple(actions)
 
 
 def _fix_layouts(mgr: Any, entry: TraceEntry, tr: Trace, env: list, live: tuple) -> None:

@@ -240,6 +240,39 @@ def _flat(a: Any) -> list[Any]:
     return [] if a is None else [a]
 
 
+# Note [output aliasing]
+# Which outputs share memory is part of a program's result: a write through one must show in
+# exactly the tensors that share its storage in eager. Inductor does not always keep that
+# (torch 2.13): its no-op removal runs before reinplacing, so ``clone(x)`` after
+# ``_foreach_add_([x], ...)`` came back as the input ``x`` itself (the next write to ``x``
+# changed the "clone": a running mean read 3.5 where eager had 1.5), and a same-shape ``view``
+# of an output came back as the very same tensor object (``t.view_as(t).t_()`` then transposed
+# ``t`` too). So the graph records, per output, what it aliases in eager: ``("x", e)`` a view
+# of the external ``e``, ``("s", k)`` the fresh tensor of slot ``k`` or a view of it. The fused
+# run (fused.py) compares that with what the program returned and copies, or re-views, the
+# outputs that alias more than they should.
+def _output_roots(trace: Trace, live: list[int]) -> tuple[tuple[str, int], ...]:
+    """Per live slot, the external or the fresh slot whose memory it is in eager."""
+    from adaptive_eager.dispatch.opspec import spec_for
+
+    root: dict[int, tuple[str, int]] = {}
+    for op, args, _kwargs, slots in trace.ops:
+        spec = spec_for(op)
+        if spec.view_arg is None or spec.view_arg >= len(args) or slots is None:
+            continue
+        src = args[spec.view_arg]
+        if type(src) is Slot:
+            r = root.get(src.i, ("s", src.i))
+        elif isinstance(src, torch.Tensor) and id(src) in trace.ext_ids:
+            r = ("x", trace.ext_ids[id(src)])
+        else:
+            continue
+        for s in _flat(slots):
+            if type(s) is int:
+                root[s] = r
+    return tuple(root.get(s, ("s", s)) for s in live)
+
+
 def _bit_view_slots(trace: Trace, live: list[int]) -> set[int]:
     """Outputs of conj/neg views that may become physical ops (raises Unfusable otherwise)."""
     views: set[int] = set()
@@ -279,9 +312,14 @@ class TraceGraph:
     # the ambient settings the trace was recorded under (Note [ambient state]): read when the
     # graph is built, at a flush, so later readers (the key, a helper's compile) agree with it
     state: tuple[tuple[str, Any], ...] = ()
+    # per output: what it aliases in eager (Note [output aliasing]); None: not known
+    out_roots: tuple[tuple[str, int], ...] | None = None
+    n_ext: int = -1  # the trace's externals when built (-1: not known)
 
     def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any] | None:
         """Program inputs for this run, or None when its aliased inputs moved (then replay)."""
+        if self.n_ext >= 0 and len(ext_reals) != self.n_ext:
+            return None  # not the inputs it was built for: never expected, replay
         tensors = _tensor_inputs(self.plan, ext_reals)
         if tensors is None or any(ext_reals[i].storage_offset() != off
                                   for i, off in self.offsets):
@@ -553,7 +591,8 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
                       baked=baked, baked_values=tuple(scalars[i] for i in baked),
                       live=tuple(live),
                       example_inputs=[*tensors, *(_scalar_input(scalars[i]) for i in lifted)],
-                      n_ops=len(trace.ops), dynamic=dynamic, state=ambient.state())
+                      n_ops=len(trace.ops), dynamic=dynamic, state=ambient.state(),
+                      out_roots=_output_roots(trace, live), n_ext=len(reals))
 
 
 # Note [symbolic programs]

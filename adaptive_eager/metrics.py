@@ -14,6 +14,7 @@ class Metrics:
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
         "trials", "trials_running", "guard_arms", "guard_disarms", "compile_waits", "layout_fixes", "helper_errors",
+        "alias_fixes",
         "service_errors", "service_compiles", "service_shared", "compile_queued_seconds",
         "compile_load_seconds", "compile_wait_seconds", "prefetched", "program_waits",
         "service_pending", "sym_learned", "sym_loaded", "sym_ops", "sym_hits", "sym_verified",
@@ -58,6 +59,8 @@ class Metrics:
         self.guard_disarms = 0  # ... and came off it
         self.compile_waits = 0  # times the engine ran plain eager while a compile was in flight
         self.layout_fixes = 0
+        # fused outputs re-viewed or copied: they shared memory eager's do not share
+        self.alias_fixes = 0
         self.helper_errors = 0  # the compile helper process failed; compiles moved in-process  # fused outputs copied into the strides eager gives them
         # where the time to a fused program went (Note [compile service])
         self.service_errors = 0  # the compile service could not be used; compiled here instead

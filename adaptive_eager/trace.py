@@ -108,6 +108,24 @@ class Trace:
         sig = intern_meta(meta.size, meta.stride, 0, meta.dtype, meta.device, meta.bits)
         return ("x", sig.mid, group)
 
+    def forget(self, n_ext: int, n_scalars: int) -> None:
+        """Note [unrecorded op's inputs]
+        An op's inputs are numbered while its key is built; when the op is then not recorded
+        (its metadata needs a real run, an argument is unsupported, it must run now) the
+        externals and numbers it added belong to no op. Left in place they made two runs of
+        one trace (one key) differ in their externals: a program's input plan, built at a run
+        with such leftovers (a nested tensor's pieces), indexed past the next run's externals
+        (IndexError in a fused run), and could as well have picked the wrong tensor."""
+        with _DisableFunction():
+            for t in self.ext[n_ext:]:
+                self.ext_ids.pop(id(t), None)
+            del self.ext[n_ext:]
+            del self.scalars[n_scalars:]
+            keep = {_storage(t._ae_real if type(t) is LazyTensor else t).data_ptr()
+                    for t in self.ext}
+            for addr in [a for a in self.groups if a not in keep]:
+                del self.groups[addr]
+
     def touches_storage(self, t: torch.Tensor) -> bool:
         """Whether a real tensor shares storage with an input of this trace (pending writes).
         A sparse or other storage-less tensor may hold any of them (its indices and values):

@@ -57,7 +57,7 @@ class TraceEntry:
                  "replay_s", "fused_s", "compile_s", "decision", "future", "disk_checked",
                  "fused_runs", "error", "scalar_ref", "varying", "graph", "was_hot", "loaded_state",
                  "from_bytes", "in_process", "observed", "rebakes", "replay_plan", "release_plan",
-                 "paired_s", "sym", "fused_n", "paired_n", "decided_s")
+                 "paired_s", "sym", "fused_n", "paired_n", "decided_s", "alias_fix")
 
     def __init__(self, node: TrieNode, n_ops: int) -> None:
         self.node = node
@@ -95,6 +95,8 @@ class TraceEntry:
         self.replay_plan: list[tuple] | None = None  # Note [replay call plan] in execute.py
         self.release_plan: tuple | None = None  # (live slots, drops by op) of the last replay
         self.sym: Any = None  # the shapes.Template this entry serves (Note [symbolic dims])
+        # (program, its outputs' alias repairs): Note [output aliasing] in graph.py
+        self.alias_fix: tuple[Any, tuple] | None = None
 
     def summary(self) -> dict:
         return {"trace": self.digest, "runs": self.runs, "hits": self.hits, "n_ops": self.n_ops,
