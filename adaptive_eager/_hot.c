@@ -541,9 +541,15 @@ reg(Ctx *c, PyObject *a)
         real = a;
         Py_INCREF(real);
     }
-    if ((mid = GET(m, mid)) == NULL || (st = PyObject_CallOneArg(storage_fn, real)) == NULL ||
-        (addr = call0(st, s_data_ptr)) == NULL)
+    if ((mid = GET(m, mid)) == NULL)
         goto done;
+    if ((st = PyObject_CallOneArg(storage_fn, real)) == NULL ||
+        (addr = call0(st, s_data_ptr)) == NULL) {
+        /* no storage to read (a ZeroTensor): not the fast case, Trace.register decides */
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError))
+            PyErr_Clear();
+        goto done;
+    }
     if (ESCAPED != NULL && PyDict_GET_SIZE(ESCAPED) &&
         (PyDict_GetItemWithError(ESCAPED, addr) != NULL || PyErr_Occurred()))
         goto done; /* memory the outside can see: Trace.register decides */

@@ -97,7 +97,10 @@ class Trace:
                     raise Unsupported("meta tensor")
                 meta = meta_of(t)
                 real = t
-            addr = _storage(real).data_ptr()
+            try:
+                addr = _storage(real).data_ptr()
+            except RuntimeError:  # no storage (a ZeroTensor of forward-mode AD): run it now
+                raise Unsupported("tensor without storage") from None
         if ESCAPED and addr in ESCAPED and escaped(addr):  # Note [memory the outside can see]
             raise Unsupported("memory visible outside torch")
         group = self.groups.setdefault(addr, len(self.groups))

@@ -233,6 +233,53 @@ def test_func_hessian_does_not_crash(cache_dir: Path) -> None:
     assert "OK" in out
 
 
+@pytest.mark.parametrize("backend", ["replay", "inductor"])
+def test_forward_ad_custom_function_backward_does_not_crash(cache_dir: Path,
+                                                            backend: str) -> None:
+    """Was a segfault: forward-mode AD's zero tangent (``_efficientzerotensor``, a ZeroTensor
+    without storage) was deferred and replayed under backward; it runs at once now, and ops on
+    it too (no storage to number)."""
+    out = run_isolated(f"""
+        import torch, adaptive_eager as ae
+        import torch.autograd.forward_ad as fwAD
+
+        class Func(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, y, z):
+                ctx.save_for_backward(x, y)
+                ctx.save_for_forward(x, y)
+                ctx.z = z
+                return z * x * y
+
+            @staticmethod
+            def jvp(ctx, x_t, y_t, _):
+                x_p, y_p = ctx.saved_tensors
+                return ctx.z * (y_p * x_t + x_p * y_t)
+
+            @staticmethod
+            def vjp(ctx, grad_out):
+                x, y = ctx.saved_tensors
+                return ctx.z * grad_out * y, ctx.z * grad_out * x, None
+
+        def run():
+            a = torch.tensor(1., requires_grad=True, dtype=torch.double)
+            b = torch.tensor(2., requires_grad=True, dtype=torch.double)
+            with fwAD.dual_level():
+                out = Func.apply(fwAD.make_dual(a, torch.tensor(1., dtype=torch.double)), b, 4)
+                tangent = fwAD.unpack_dual(out).tangent.item()
+                out.backward()
+            return a.grad.item(), b.grad.item(), tangent
+
+        want = run()
+        with ae.adaptive_eager(backend="{backend}", hot_after=2, compile_async=False,
+                               step_aside=False):
+            got = [run() for _ in range(4)]
+        assert all(g == want for g in got), (want, got)
+        print("OK")
+    """, cache_dir)
+    assert "OK" in out
+
+
 def _func_suite() -> list:
     from torch.func import functional_call, grad, jacrev, vmap
 

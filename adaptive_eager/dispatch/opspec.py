@@ -223,6 +223,8 @@ def _classify(op: torch._ops.OpOverload, schema: torch._C.FunctionSchema) -> tup
         return SYNC, "output shape depends on tensor values (untagged)"
     if op in _FORWARD_AD:
         return FALLBACK, "forward-mode AD (its kernel reads the dual-level state)"
+    if op is _aten._efficientzerotensor.default:  # a ZeroTensor has no storage to replay on
+        return FALLBACK, "ZeroTensor (forward-mode AD's zero tangents): no storage"
     if torch.Tag.dynamic_output_shape in tags and op not in (_aten.index.Tensor,
                                                                 _aten._unsafe_index.Tensor):
         return SYNC, "output shape depends on tensor values"
