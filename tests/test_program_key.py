@@ -28,6 +28,17 @@ from adaptive_eager.dispatch import ambient
 
 from conftest import assert_same
 
+
+@pytest.fixture(autouse=True)
+def _global_flags_settable() -> Iterator[None]:
+    """torch's own test utilities (imported by other test files: the fuzzer's OpInfo database)
+    call ``torch.backends.disable_global_flags()`` for the rest of the process; these tests set
+    flags as attributes, as user programs do, so they allow it for their duration."""
+    allow = torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation"]
+    with allow():
+        yield
+
+
 COMPILE_SERVICE = True  # conftest: compiles go through the compile service
 
 _TRACE = {"digest": "d" * 32, "live": (3,), "lifted": (), "offsets": (), "baked": ()}
