@@ -78,19 +78,25 @@ def test_replay_frees_dropped_temporaries(monkeypatch: pytest.MonkeyPatch,
     assert counter.most <= 4, counter.most
 
 
-def test_publish_gets_no_dead_values(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def leaked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The slots of values handed to publish whose lazy tensor the program already dropped."""
+    dead: list[int] = []
+    real_publish = engine_mod.publish
+
+    def checking(tr: Any, env: list, check: bool, swap: bool = True) -> None:
+        dead.extend(s for s, v in enumerate(env) if v is not None and tr.refs[s]() is None)
+        real_publish(tr, env, check, swap)
+
+    monkeypatch.setattr(engine_mod, "publish", checking)
+    return dead
+
+
+def test_publish_gets_no_dead_values(leaked: list[int]) -> None:
     """What a replay hands to publish holds values of live slots only."""
     torch.manual_seed(0)
     base = torch.randn(1000)
     want = _loop(base, 6)
-    leaked: list[int] = []
-    real_publish = engine_mod.publish
-
-    def checking(tr: Any, env: list, check: bool, swap: bool = True) -> None:
-        leaked.extend(s for s, v in enumerate(env) if v is not None and tr.refs[s]() is None)
-        real_publish(tr, env, check, swap)
-
-    monkeypatch.setattr(engine_mod, "publish", checking)
     with ae.adaptive_eager(backend="replay", check=True, step_aside=False):
         got = _loop(base, 6)
         assert_same(got, want)
@@ -105,21 +111,13 @@ def _step(base: torch.Tensor, keep: list | None) -> torch.Tensor:
     return (big2[::1000] * big[::1000]).sum() + big2.mean()
 
 
-def test_fused_dead_outputs_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_dead_outputs_not_kept(leaked: list[int]) -> None:
     """A program compiled while an intermediate was live serves later runs that dropped it:
     that output is freed at once, not handed to publish."""
     pytest.importorskip("torch._inductor")
     torch.manual_seed(0)
     base = torch.randn(1000)
     wants = [_step(base, None).item() for _ in range(6)]
-    leaked: list[int] = []
-    real_publish = engine_mod.publish
-
-    def checking(tr: Any, env: list, check: bool, swap: bool = True) -> None:
-        leaked.extend(s for s, v in enumerate(env) if v is not None and tr.refs[s]() is None)
-        real_publish(tr, env, check, swap)
-
-    monkeypatch.setattr(engine_mod, "publish", checking)
     got = []
     with ae.adaptive_eager(backend="inductor", hot_after=2, compile_async=False,
                            step_aside=False):
