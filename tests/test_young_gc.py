@@ -71,6 +71,9 @@ def test_a_programs_own_threshold_is_left_alone(default_threshold: tuple) -> Non
 
 
 def test_a_pending_trace_sets_off_no_collection(default_threshold: tuple) -> None:
+    # collections are counted process-wide: a compile an earlier test left running in a
+    # background thread of this process (Inductor allocates heavily) must end first
+    ae.wait_for_compiles()
     x = torch.randn(16)
     want = _chain(x, 600)
     for _ in range(2):  # learn the ops' metadata and the trace
@@ -83,7 +86,9 @@ def test_a_pending_trace_sets_off_no_collection(default_threshold: tuple) -> Non
             got.append(_chain(x, 600))  # 600 pending ops, one flush at the exit
 
     assert _young_collections(lambda: run(False)) >= 1  # the interpreter's 700 is passed
-    assert _young_collections(lambda: run(True)) == 0
+    # another thread's allocations count too: the better of two runs (a broken headroom
+    # collects in both)
+    assert min(_young_collections(lambda: run(True)) for _ in range(2)) == 0
     assert all(torch.equal(g, want) for g in got)
 
 
