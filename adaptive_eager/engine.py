@@ -53,7 +53,7 @@ _MAX_TRIE_ENTRIES = 100_000  # a program whose traces never repeat must not grow
 # ``bool_tensor + 1`` (an ``other`` that is a Scalar in a Tensor overload) were one trie path, so
 # the second replayed the first's output dtype (bool instead of int64; DESIGN trap 6). Ints keyed
 # by value stay plain (sizes, dims: no allocation); a bool is keyed by one of these two constant
-# tuples, which equal no int. The C accelerator builds the same tuples (``type_value``).
+# tuples, which equal no int. The C accelerator keys with equal tuples (``value_key``).
 BOOL_KEYS = {False: (bool, False), True: (bool, True)}
 
 

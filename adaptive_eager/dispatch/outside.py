@@ -131,6 +131,15 @@ def _engine_on_top() -> bool:
     return bool(n) and type(torch._C._get_dispatch_stack_at(n - 1)) is DeferMode
 
 
+def _call_now(orig: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``orig`` at once, below the engine's dispatch mode when it is on top: the aten ops
+    it makes on its way run on real values, not deferred into wrappers it would then read."""
+    if _engine_on_top():
+        with _DisableDispatch():
+            return orig(*args, **kwargs)
+    return orig(*args, **kwargs)
+
+
 def _real(a: Any) -> Any:
     from adaptive_eager.dispatch.lazy import resolve_all
 
@@ -160,11 +169,7 @@ def _from_outside(name: str, aliases: bool | None, orig: Any) -> Any:
     def make(*args: Any, **kwargs: Any) -> Any:
         src = args[0] if args else next(iter(kwargs.values()), None)
         foreign = _foreign(src)
-        if foreign and _engine_on_top():
-            with _DisableDispatch():
-                out = orig(*args, **kwargs)
-        else:
-            out = orig(*args, **kwargs)
+        out = _call_now(orig, *args, **kwargs) if foreign else orig(*args, **kwargs)
         if aliases or (aliases is None and foreign and _foreign_alias(src, out)):
             note_escape(out)
         return out
@@ -193,11 +198,7 @@ def _foreign_alias(src: Any, out: Any) -> bool:
 def _from_file(orig: Any) -> Any:
     @functools.wraps(orig)
     def make(*args: Any, **kwargs: Any) -> Any:
-        if _engine_on_top():  # it reads the file now, as eager does
-            with _DisableDispatch():
-                out = orig(*args, **kwargs)
-        else:
-            out = orig(*args, **kwargs)
+        out = _call_now(orig, *args, **kwargs)  # it reads the file now, as eager does
         shared = args[1] if len(args) > 1 else kwargs.get("shared")
         if shared:  # a shared mapping: other processes and the file see its writes
             if isinstance(out, _T):
@@ -244,10 +245,7 @@ def _on_values(name: str, orig: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         _flush(f"read:{name}")
         args, kwargs = _real(args), {k: _real(v) for k, v in kwargs.items()}
-        if _engine_on_top():
-            with _DisableDispatch():
-                return orig(*args, **kwargs)
-        return orig(*args, **kwargs)
+        return _call_now(orig, *args, **kwargs)
 
     return _mark(call)
 
