@@ -77,16 +77,40 @@ def _no_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
 
 
-def _slow_on(side: str) -> Callable[[], None]:
-    def pause() -> None:  # a round on the slow side takes 20 ms longer
+class TrialClock:
+    """The clock a trial times its rounds with, advanced by the test: a round lasts exactly
+    what the test says, whatever the machine's load (a 40 ms pause in a plain round on a
+    loaded CI machine once made a clear trial look unclear)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> TrialClock:
+    from adaptive_eager import aside
+
+    fake = TrialClock()
+    monkeypatch.setattr(aside, "time", fake)  # aside reads only time.perf_counter
+    return fake
+
+
+def _slow_on(side: str, clock: TrialClock) -> Callable[[], None]:
+    def pause() -> None:  # a round on the slow side takes 20 ms, the other 1 ms
         in_engine = torch._C._len_torch_dispatch_stack() > 0
-        if in_engine == (side == "engine"):
-            time.sleep(0.02)
+        clock.advance(0.02 if in_engine == (side == "engine") else 0.001)
     return pause
 
 
 @pytest.mark.parametrize("slow_side", ["engine", "eager"])
-def test_trial_keeps_the_faster_side(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
+def test_trial_keeps_the_faster_side(clock: TrialClock, monkeypatch: pytest.MonkeyPatch,
+                                     cache_dir: Path,
                                      slow_side: str) -> None:
     _no_estimate(monkeypatch)
     ref, _ = _train(60)
@@ -95,7 +119,7 @@ def test_trial_keeps_the_faster_side(monkeypatch: pytest.MonkeyPatch, cache_dir:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
     x, y = torch.randn(5, 6), torch.randn(5, 1)
     intercepted: list[int] = []
-    pause = _slow_on(slow_side)
+    pause = _slow_on(slow_side, clock)
 
     def each_step() -> None:
         intercepted.append(ae.metrics()["ops_intercepted"])
@@ -143,7 +167,7 @@ def _trial_run(steps: int, cache_dir: Path, backend: str,
     return losses, sides
 
 
-def test_trial_alternates_rounds_so_a_load_change_cannot_decide(
+def test_trial_alternates_rounds_so_a_load_change_cannot_decide(clock: TrialClock,
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path, graph_backend: object) -> None:
     """Note [measured trial]: rounds alternate between the engine and plain eager. Here the
     engine is the faster side (eager rounds take 10 ms longer) and a passing load adds 40 ms to
@@ -155,10 +179,11 @@ def test_trial_alternates_rounds_so_a_load_change_cannot_decide(
     ref, _ = _train(60)
 
     def each_step(in_engine: bool, trial_round: int) -> None:
+        clock.advance(0.001)
         if 0 < trial_round <= TRIAL_TICKS:
-            time.sleep(0.04)  # the load, on whichever side runs this round
+            clock.advance(0.04)  # the load, on whichever side runs this round
         if not in_engine:
-            time.sleep(0.01)
+            clock.advance(0.01)
 
     losses, sides = _trial_run(60, cache_dir, graph_backend.name, each_step)
     m = ae.metrics()
@@ -168,15 +193,14 @@ def test_trial_alternates_rounds_so_a_load_change_cannot_decide(
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-6)
 
 
-def test_a_new_decision_after_the_verdict_times_the_engine_again(
+def test_a_new_decision_after_the_verdict_times_the_engine_again(clock: TrialClock,
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path, graph_backend: object) -> None:
     """The engine a trial kept changes when another trace is compiled and decided later (here
     the step's trace changes at step 40): the trial runs again."""
     _no_estimate(monkeypatch)
 
     def each_step(in_engine: bool, trial_round: int) -> None:
-        if not in_engine:
-            time.sleep(0.01)  # the engine stays the faster side
+        clock.advance(0.001 if in_engine else 0.011)  # the engine stays the faster side
 
     _trial_run(90, cache_dir, graph_backend.name, each_step, extra_from=40)
     m = ae.metrics()
@@ -185,7 +209,8 @@ def test_a_new_decision_after_the_verdict_times_the_engine_again(
 
 
 @pytest.mark.parametrize("slow_side", ["engine", "eager"])
-def test_a_clear_trial_ends_after_a_few_pairs(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
+def test_a_clear_trial_ends_after_a_few_pairs(clock: TrialClock, monkeypatch: pytest.MonkeyPatch,
+                                              cache_dir: Path,
                                               graph_backend: object, slow_side: str) -> None:
     """Note [clear trials]: when every pair of rounds says the same by 2x or more, the trial
     ends after TRIAL_CLEAR_PAIRS pairs, not TRIAL_TICKS, with the verdict the full trial gives."""
@@ -195,8 +220,7 @@ def test_a_clear_trial_ends_after_a_few_pairs(monkeypatch: pytest.MonkeyPatch, c
     ref, _ = _train(40)
 
     def each_step(in_engine: bool, trial_round: int) -> None:
-        if in_engine == (slow_side == "engine"):
-            time.sleep(0.08)  # far more than the model's own step
+        clock.advance(0.08 if in_engine == (slow_side == "engine") else 0.001)
 
     losses, sides = _trial_run(40, cache_dir, graph_backend.name, each_step)
     m = ae.metrics()
@@ -215,14 +239,14 @@ def test_clear_ratio_needs_every_pair_to_agree() -> None:
     assert clear_ratio([1.0, 1.0, 1.0], [3.0, 0.0, 3.0]) is None
 
 
-def test_trial_without_an_optimizer_times_outermost_module_calls(
+def test_trial_without_an_optimizer_times_outermost_module_calls(clock: TrialClock,
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
     _no_estimate(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
     x = torch.randn(5, 6)
     expected = [model(x).sum().item() for _ in range(3)]
-    pause = _slow_on("engine")
+    pause = _slow_on("engine", clock)
     seen = []
     with ae.adaptive_eager(hot_after=2, compile_async=False, cache_dir=cache_dir):
         for _ in range(60):
@@ -316,14 +340,15 @@ def _assert_bitwise(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("slow_side", ["engine", "eager"])
-def test_contexts_are_the_rounds_of_a_trial(monkeypatch: pytest.MonkeyPatch, cache_dir: Path,
+def test_contexts_are_the_rounds_of_a_trial(clock: TrialClock, monkeypatch: pytest.MonkeyPatch,
+                                            cache_dir: Path,
                                             graph_backend: object, slow_side: str) -> None:
     """A program that only enters the context around each call is timed per context and keeps
     the faster side; results stay eager's, bitwise (the program runs eager's kernels)."""
     _no_estimate(monkeypatch)
     options = dict(backend=graph_backend.name, hot_after=2, compile_async=False,
                    cache_dir=str(cache_dir), disk_cache=False)
-    outs, intercepted = _context_calls(60, options, _slow_on(slow_side))
+    outs, intercepted = _context_calls(60, options, _slow_on(slow_side, clock))
     m = ae.metrics()
     assert m["trials"] == 1 and m["kept_fused"] + m["kept_replay"] >= 1, m
     _assert_bitwise(outs, _eager_calls(60))
