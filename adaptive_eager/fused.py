@@ -9,6 +9,7 @@ op-by-op values are the ones the user gets.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from adaptive_eager.execute import ReplayGuard, replay
 from adaptive_eager.graph import ext_reals
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import Trace
+
+log = logging.getLogger("adaptive_eager")
 
 
 def _call(program: Any, inputs: list[Any]) -> Any:
@@ -57,6 +60,14 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
         # they were: replaying is safe.
         mgr.fused_failed(entry, err)
         return None
+    unlike = _unlike_eager(tr, g.live, outs)
+    if unlike is not None:  # Note [outputs unlike eager's]
+        mgr.quarantine(entry, unlike)
+        M.fused_errors += 1
+        if not g.writes_ext:
+            return None  # the program wrote nothing: this run goes op by op, eager's values
+        log.error("adaptive_eager: %s, after the program had written its inputs in place; "
+                  "this run's values may differ from eager's", unlike)
     mgr.record_fused(entry, time.perf_counter() - start, run_size(entry, tr))
     M.compiled_runs += 1
     M.ops_fused += len(tr.ops)
@@ -71,6 +82,34 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
     del outs
     _fix_layouts(mgr, entry, tr, env, g.live)
     return env
+
+
+# Note [outputs unlike eager's]
+# Each lazy tensor promised a dtype, shape and device when its op was recorded, from eager's
+# own kernels; a program that returns something else computed something else (Inductor's
+# clamp once kept a bool dtype where eager promotes: Note [clamp of lifted numbers]). Only
+# strides may differ (_fix_layouts copies those into eager's layout). Any other difference
+# quarantines the trace; the run goes op by op when the program wrote no external tensor, so
+# nothing was changed yet. A program that did write one has applied its writes already: that
+# run keeps its values (logged as an error, counted in ``fused_errors``) and every later run is
+# op by op. The check compares interned metadata objects, so a run whose outputs are all laid
+# out as promised pays one identity test per output.
+def _unlike_eager(tr: Trace, live: tuple, outs: Any) -> str | None:
+    """Why the program's outputs are not what eager's kernels promised, or None."""
+    refs = tr.refs
+    for k, (s, out) in enumerate(zip(live, outs)):
+        w = refs[s]()
+        if w is None or not isinstance(out, torch.Tensor):
+            continue
+        want = w._ae_meta
+        got = meta_of(out)
+        if got is want:
+            continue
+        if got.dtype != want.dtype or tuple(got.size) != tuple(want.size) \
+                or got.device != want.device:
+            return (f"fused output {k} is {got.dtype}{list(got.size)} on {got.device} where "
+                    f"eager gives {want.dtype}{list(want.size)} on {want.device}")
+    return None
 
 
 _ALIAS, _COPY = 0, 1

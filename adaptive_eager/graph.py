@@ -32,6 +32,18 @@ aten = torch.ops.aten
 # cannot be guarded on, so these take the Tensor overload with a 0-d weight instead.
 _LERP_TENSOR = {aten.lerp_.Scalar: aten.lerp_.Tensor, aten.lerp.Scalar: aten.lerp.Tensor}
 
+# Note [clamp of lifted numbers]
+# Inductor decomposes ``clamp`` under a promotion wrapper that counts only Python numbers
+# (``int``/``float``/``bool``) as arguments, not the SymFloat/SymInt a lifted number becomes:
+# ``clamp(bool_or_int_tensor, lo, hi)`` then kept the tensor's dtype (bool) where eager
+# promotes to float32, and the engine's layout copy turned every True into 1.0 (torch 2.13;
+# PyTorch's own test_clamp_type_promotion). ``clamp_min`` and ``clamp_max`` promote correctly,
+# and ``clamp(x, lo, hi)`` is ``clamp_max(clamp_min(x, lo), hi)`` in eager's kernel too (NaN
+# in x or a bound propagates; lo > hi gives hi; the int-to-float conversion is monotone, so
+# clamping before or after it is the same), so a clamp with a lifted bound is emitted as
+# those two.
+_CLAMP = {aten.clamp.default}
+
 
 # Note [foreach scalar lists]
 # Inductor lowers no foreach op that takes a list of numbers (``ScalarList``; torch 2.13): one
@@ -234,6 +246,25 @@ def _reshapable_views(trace: Trace, live: list[int]) -> set[int]:
     return ok
 
 
+def _writes_external(trace: Trace) -> bool:
+    """Whether some op writes an external tensor, or a view of one, in place."""
+    from adaptive_eager.dispatch.opspec import spec_for
+
+    of_ext: set[int] = set()  # slots that are views of an external
+    for op, args, kwargs, slots in trace.ops:
+        spec = spec_for(op)
+        for w in spec.writes or ():
+            a = args[w] if type(w) is int and w < len(args) else kwargs.get(w)
+            for t in _flat(a) if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) or (type(t) is Slot and t.i in of_ext):
+                    return True
+        if spec.view_arg is not None and spec.view_arg < len(args):
+            src = args[spec.view_arg]
+            if isinstance(src, torch.Tensor) or (type(src) is Slot and src.i in of_ext):
+                of_ext.update([slots] if type(slots) is int else _flat(slots))
+    return False
+
+
 def _flat(a: Any) -> list[Any]:
     if isinstance(a, (list, tuple)):
         return [y for x in a for y in _flat(x)]
@@ -315,6 +346,8 @@ class TraceGraph:
     # per output: what it aliases in eager (Note [output aliasing]); None: not known
     out_roots: tuple[tuple[str, int], ...] | None = None
     n_ext: int = -1  # the trace's externals when built (-1: not known)
+    # whether an op writes an external tensor or a view of one (Note [outputs unlike eager's])
+    writes_ext: bool = True
 
     def inputs(self, ext_reals: list[torch.Tensor], scalars: list[Any]) -> list[Any] | None:
         """Program inputs for this run, or None when its aliased inputs moved (then replay)."""
@@ -566,6 +599,8 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
             listed = _scalar_list(g, op, args, cargs, trace, reals)
             if listed is not None:
                 op, cargs = listed
+        elif op in _CLAMP:
+            op, cargs, ckw = _clamp_of_lifted(g, op, cargs, ckw)
         op = _BIT_VIEWS.get(op, op)
         op = _UNSAFE_VIEW_OPS.get(op, op)
         if n_op in reshapes:  # Note [views as reshapes]
@@ -592,7 +627,8 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
                       live=tuple(live),
                       example_inputs=[*tensors, *(_scalar_input(scalars[i]) for i in lifted)],
                       n_ops=len(trace.ops), dynamic=dynamic, state=ambient.state(),
-                      out_roots=_output_roots(trace, live), n_ext=len(reals))
+                      out_roots=_output_roots(trace, live), n_ext=len(reals),
+                      writes_ext=_writes_external(trace))
 
 
 # Note [symbolic programs]
@@ -833,6 +869,23 @@ def _unmark(a: Any, node_of: Any) -> Any:
     if t is list or t is tuple:
         return t(_unmark(x, node_of) for x in a)
     return a
+
+
+def _clamp_of_lifted(g: fx.Graph, op: Any, cargs: tuple, ckw: dict) -> tuple[Any, tuple, dict]:
+    """``clamp`` with a lifted bound as ``clamp_min`` then ``clamp_max`` (Note [clamp of lifted
+    numbers]); the op's own arguments otherwise. The last of the two is the op's node."""
+    names = ("self", "min", "max")
+    bound = dict(zip(names, cargs))
+    bound.update(ckw)
+    lo, hi = bound.get("min"), bound.get("max")
+    if not isinstance(lo, fx.Node) and not isinstance(hi, fx.Node):
+        return op, cargs, ckw
+    x = bound["self"]
+    if lo is None:
+        return aten.clamp_max.default, (x, hi), {}
+    if hi is None:
+        return aten.clamp_min.default, (x, lo), {}
+    return aten.clamp_max.default, (g.call_function(aten.clamp_min.default, (x, lo)), hi), {}
 
 
 def _dtype_of(a: Any, trace: Trace) -> torch.dtype:
