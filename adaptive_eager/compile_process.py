@@ -17,10 +17,11 @@ Ctrl-C, which the parent handles). It runs isolated (Note [isolated subprocesses
 isolation.py): ``-I`` keeps the working folder, PYTHON* variables and the user site off
 ``sys.path``, its working folder is a private one (Inductor's own children inherit it), and it
 gets only the allow-listed variables: a module planted in a world-writable working folder is
-never imported, by it or by the probes Inductor starts in it. The package itself is loaded from the folder this process loaded it from (the
-bootstrap below), everything else from the interpreter's own paths, so a backend object must come
-from an installed package (one defined in the script is "unusable" there and compiles here). The
-helper compiles into the same Inductor kernel folder as this process (sent with each request). It runs at ``HELPER_NICE``: where no
+never imported, by it or by the probes Inductor starts in it. The package itself is loaded from
+the folder this process loaded it from (the bootstrap below), everything else from the
+interpreter's own paths, so a backend object must come from an installed package (one defined in
+the script is "unusable" there and compiles here). The helper compiles into the same Inductor
+kernel folder as this process (sent with each request). It runs at ``HELPER_NICE``: where no
 core is idle the program keeps a slight priority. A backend opts in with
 ``separate_process = True``. A compile that fails in the helper fails as it would here (the trace
 stays op by op); a helper that cannot start, dies or answers garbage is counted

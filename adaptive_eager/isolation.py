@@ -15,8 +15,9 @@ first on ``sys.path``) was started with the program's working folder. So:
 * Their environment is ``child_env``: only the variables named in ``ENV_NAMES`` or starting
   with one of ``ENV_PREFIXES`` (what finding and running the compiler, the CPU/GPU libraries
   and Inductor's own settings need), plus ``ADAPTIVE_EAGER=0``; ``TORCHINDUCTOR_CACHE_DIR``
-  is left out (the kernel folder travels with each compile request). Nothing else of the
-  program's environment reaches a helper.
+  is left out (the kernel folder travels with each compile request), and the compile service
+  also leaves out thread-pool and locale variables (``SHARED_DROPPED_PREFIXES``). Nothing else
+  of the program's environment reaches a helper.
 * The compile service is shared by many programs, so what it compiles with must not depend on
   which program started it (a service started with ``CXX=/bin/false`` failed every other
   program's compiles): its identity includes ``env_digest()`` of these variables (Note
@@ -57,23 +58,31 @@ ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TRITON_", "CUDA_", "HIP_", "ROCM_",
 # Never passed: each compile request names its kernel folder (Note [Inductor kernel folder]);
 # torch writes its default here at ``import torch._dynamo``, so the value says little anyway.
 ENV_DROPPED = ("TORCHINDUCTOR_CACHE_DIR",)
+# Not passed to the shared compile service (nor part of its identity): they change no compiled
+# code (each request carries the program's thread count, Note [compile threads]), only the
+# helper's own thread pools and the language of messages, and they differ between a user's
+# programs more often than anything else.
+SHARED_DROPPED_PREFIXES = ("OMP_", "KMP_", "MKL_", "GOMP_", "LANG", "LC_")
 
 _cwd: str | None = None
 _cwd_lock = threading.Lock()
 
 
-def child_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a process the engine starts (Note [isolated subprocesses])."""
+def child_env(environ: Mapping[str, str] | None = None,
+              shared: bool = False) -> dict[str, str]:
+    """The environment of a process the engine starts (Note [isolated subprocesses]);
+    ``shared``: of the compile service and its helpers, which serve every program."""
     env = os.environ if environ is None else environ
     out = {k: v for k, v in env.items()
-           if (k in ENV_NAMES or k.startswith(ENV_PREFIXES)) and k not in ENV_DROPPED}
+           if (k in ENV_NAMES or k.startswith(ENV_PREFIXES)) and k not in ENV_DROPPED
+           and not (shared and k.startswith(SHARED_DROPPED_PREFIXES))}
     out["ADAPTIVE_EAGER"] = "0"  # a child never switches the engine on for itself
     return dict(sorted(out.items()))
 
 
 def env_digest(environ: Mapping[str, str] | None = None) -> str:
-    """A digest of ``child_env``: part of the compile service's identity."""
-    text = "\0".join(f"{k}={v}" for k, v in child_env(environ).items())
+    """A digest of the compile service's ``child_env``: part of its identity."""
+    text = "\0".join(f"{k}={v}" for k, v in child_env(environ, shared=True).items())
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 

@@ -262,8 +262,8 @@ def _spawn(cache_dir: Path, folder: Path, idle_s: float | None,
     try:
         proc = subprocess.Popen(service_command(cache_dir, idle_s, size_limit),
                                 stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
-                                env=child_env(), close_fds=True, start_new_session=True,
-                                cwd=folder)
+                                env=child_env(shared=True), close_fds=True,
+                                start_new_session=True, cwd=folder)
     finally:
         os.close(fd)
     try:
@@ -349,7 +349,7 @@ class _Helper:
         self.service = service
         self.proc = subprocess.Popen(  # Note [isolated subprocesses]
             helper_command(nice=SERVICE_HELPER_NICE), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=None, close_fds=True, env=child_env(),
+            stdout=subprocess.PIPE, stderr=None, close_fds=True, env=child_env(shared=True),
             cwd=service.folder)
         self.thread = threading.Thread(target=self.loop, daemon=True)
         self.thread.start()
