@@ -306,6 +306,8 @@ def test_trailing_data_and_other_files_are_refused(tmp_path: Path,
     good = export(capsys, tmp_path / "a", tmp_path / "e.tar.gz").read_bytes()
     (tmp_path / "tail.tar.gz").write_bytes(good + gzip.compress(b"more data"))
     assert "follows the end" in refused(capsys, tmp_path / "tail.tar.gz", tmp_path / "b")
+    (tmp_path / "junk.tar.gz").write_bytes(good + b"junk after the gzip stream")
+    assert "follows the end" in refused(capsys, tmp_path / "junk.tar.gz", tmp_path / "b")
     (tmp_path / "plain.txt").write_bytes(b"hello")
     assert "not a gzip file" in refused(capsys, tmp_path / "plain.txt", tmp_path / "b")
     assert "cannot open" in refused(capsys, tmp_path / "missing.tar.gz", tmp_path / "b")
@@ -550,3 +552,18 @@ def test_engine_over_stats_with_bad_fields_gives_eager_results(
     ae.reset_metrics()
     assert work() == ref
     assert ae.metrics()["disk_invalid"] >= 1
+
+
+def test_store_entries_is_all_or_nothing(cache_dir: Path) -> None:
+    """The storing half of an import: an entry that fails its checks midway rolls back the
+    ones before it (and a sound batch is stored whole, counted)."""
+    from adaptive_eager.cache.disk import BadEntry
+
+    disk = DiskCache(cache_dir, 1 << 30)
+    good = [("stats:" + "1" * 32, dict(STATS), b""), ("quarantine:" + "2" * 32,
+                                                       {"reason": "x", "when": 1.0}, b"")]
+    with pytest.raises(BadEntry, match="decision"):
+        disk.store_entries([*good, ("stats:" + "3" * 32, dict(STATS, decision=5), b"")])
+    assert disk.keys() == []
+    assert disk.store_entries(good) == 2 and len(disk.keys()) == 2
+    disk.close()

@@ -268,7 +268,12 @@ class _Stream:
         archive's zero padding may follow its end."""
         seen = 0
         while True:
-            piece = self._gz.read(_CHUNK)
+            try:
+                piece = self._gz.read(_CHUNK)
+            except gzip.BadGzipFile as err:
+                if "Not a gzipped file" not in str(err):
+                    raise
+                raise BundleError("data follows the end of the archive") from None
             if not piece:
                 return
             seen += len(piece)

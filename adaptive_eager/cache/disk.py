@@ -11,8 +11,10 @@ HMAC-SHA256 under a per-cache secret (``<dir>/secret``, 32 random bytes, created
 O_EXCL|O_NOFOLLOW) over the key and the exact bytes after it; it is checked before anything is
 parsed. Headers are JSON and payloads raw bytes: statistics and quarantine marks are plain JSON,
 a program is its JSON metadata plus the backend's artifact bytes. Nothing is unpickled, so a
-planted value can at most be refused; ``cache ls`` reads headers only. Entries of the earlier
-diskcache format (pickles) are never loaded: they are counted and their files collected.
+planted value can at most be refused; ``cache ls`` reads headers only. A value that verifies
+then has its fields checked by type and range before anyone reads them (Note [cache values are
+checked] in values.py). Entries of the earlier diskcache format (pickles) are never loaded:
+they are counted and their files collected.
 
 Note [cache size]
 ``cache_size_mb`` bounds everything the folder holds: the database, the run logs and Inductor's

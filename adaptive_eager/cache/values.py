@@ -31,7 +31,7 @@ _INT_MAX = 1 << 53
 
 def text(limit: int = _TEXT_MAX) -> Check:
     def check(v: Any) -> str | None:
-        return None if type(v) is str and len(v) <= limit else f"text of at most {limit} chars"
+        return None if isinstance(v, str) and len(v) <= limit else f"text of at most {limit} chars"
     return check
 
 
@@ -53,7 +53,7 @@ def flag(v: Any) -> str | None:
 
 
 def hex_text(v: Any) -> str | None:
-    ok = type(v) is str and len(v) <= 512 and len(v) % 2 == 0 and bool(_HEX.match(v))
+    ok = isinstance(v, str) and len(v) <= 512 and len(v) % 2 == 0 and bool(_HEX.match(v))
     return None if ok else "hexadecimal text"
 
 
@@ -66,7 +66,7 @@ def optional(inner: Check) -> Check:
 
 def list_of(inner: Check, limit: int = _LIST_MAX) -> Check:
     def check(v: Any) -> str | None:
-        if type(v) is not list or len(v) > limit:
+        if not isinstance(v, list) or len(v) > limit:
             return f"a list of at most {limit} items"
         for i, item in enumerate(v):
             why = inner(item)
@@ -79,7 +79,7 @@ def list_of(inner: Check, limit: int = _LIST_MAX) -> Check:
 def fields(spec: dict[str, Check], required: tuple[str, ...] = ()) -> Check:
     """A JSON object whose listed fields, where present, pass their checks."""
     def check(v: Any) -> str | None:
-        if type(v) is not dict:
+        if not isinstance(v, dict):
             return "an object"
         for name in required:
             if name not in v:
