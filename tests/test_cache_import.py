@@ -219,7 +219,7 @@ def test_unusable_key_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "e.tar.gz").exists()
 
 
-# ---- the reproducer: damaged, truncated, odd members -----------------------------------------------
+# ---- the reproducer: damaged, truncated, odd members -------------------------------------------
 def test_damaged_export_is_refused_never_stored(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """A flipped bit anywhere in the compressed data: refused (gzip CRC, checksums), or at

@@ -182,29 +182,38 @@ def read(path: Path, secret: bytes | None, artifact_max: int, total_max: int,
         listing, signed = _parse_index(index_bytes, artifact_max, total_max)
         if signed != (sig is not None):
             raise BundleError(f"{INDEX} and {SIGNATURE} disagree on whether the file is signed")
-        found: dict[str, tuple[int, int]] = {}
-        entries_bytes = b""
-        while nxt is not None:
-            name, size = nxt
-            _expect(listing, found, name, size)
-            if name == ENTRIES:
-                entries_bytes, digest = stream.member(size)
-                found[name] = (0, size)
-            else:
-                offset = spool.tell()
-                digest = stream.member(size, spool)[1]
-                found[name] = (offset, size)
-            if digest != listing[name][1]:
-                raise BundleError(f"member {name} does not match its SHA-256 in the manifest "
-                                  "(the file was altered or damaged)")
-            nxt = next(members, None)
-        missing = sorted(set(listing) - set(found))
-        if missing:
-            raise BundleError(f"member {missing[0]} is in the manifest but not in the file "
-                              f"({len(missing)} missing: truncated?)")
+        entries_bytes, found = _read_members(stream, members, nxt, listing, spool)
         stream.trailer()
     entries = _parse_entries(entries_bytes, listing)
     return Bundle(signed, entries, found, spool)
+
+
+def _read_members(stream: _Stream, members: Iterator[tuple[str, int]],
+                  nxt: tuple[str, int] | None, listing: dict[str, tuple[int, str]],
+                  spool: IO[bytes]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The members after the manifest, each checked against it: the entries' JSON, and where
+    in ``spool`` each artifact lies (offset, size)."""
+    found: dict[str, tuple[int, int]] = {}
+    entries = b""
+    while nxt is not None:
+        name, size = nxt
+        _expect(listing, found, name, size)
+        if name == ENTRIES:
+            entries, digest = stream.member(size)
+            found[name] = (0, size)
+        else:
+            offset = spool.tell()
+            digest = stream.member(size, spool)[1]
+            found[name] = (offset, size)
+        if digest != listing[name][1]:
+            raise BundleError(f"member {name} does not match its SHA-256 in the manifest "
+                              "(the file was altered or damaged)")
+        nxt = next(members, None)
+    missing = sorted(set(listing) - set(found))
+    if missing:
+        raise BundleError(f"member {missing[0]} is in the manifest but not in the file "
+                          f"({len(missing)} missing: truncated?)")
+    return entries, found
 
 
 @contextlib.contextmanager
