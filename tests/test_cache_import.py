@@ -400,7 +400,7 @@ BAD_STATS = [("decision", 5), ("decision", None), ("hot", "yes"), ("replay_ms", 
              ("replay_ms", -1.0), ("fused_ms", float("nan")), ("varying", "abc"),
              ("varying", [1, "x"]), ("failure", {"count": "two", "transient": True}),
              ("failure", {"error": 7}), ("samples", [{"fused_ms": "a"}]), ("used_at", "now"),
-             ("program_key", 12), ("sym_sizes", {"agreed": [1]}), ("in_process", 1)]
+             ("program_key", 12), ("sym_sizes", [4, 8]), ("in_process", 1)]
 
 
 @pytest.mark.parametrize("field,value", BAD_STATS)
