@@ -250,8 +250,9 @@ def cmd_import(ns: argparse.Namespace) -> int:
     import tempfile
 
     from adaptive_eager.cache import bundle
+    from adaptive_eager.cache.disk import BadEntry
 
-    secret, key_file = _export_key(ns)
+    secret, _ = _export_key(ns)
     disk = _open_disk(ns.cache_dir)
     try:
         if disk.read_only:
@@ -264,7 +265,7 @@ def cmd_import(ns: argparse.Namespace) -> int:
                 return _refused(ns.file, str(err))
             try:
                 n = disk.store_entries(found.items())
-            except (sqlite3.Error, OSError, ValueError) as err:
+            except (sqlite3.Error, OSError, BadEntry) as err:
                 return _refused(ns.file, f"storing failed ({err})")
     finally:
         disk.close()
