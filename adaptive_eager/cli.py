@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import re
 import sys
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -216,61 +214,86 @@ def cmd_cache(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    """Verified programs, statistics and quarantine marks into one tar.gz (artifacts as raw
-    files, metadata as JSON)."""
+    """Verified programs, statistics and quarantine marks into one export file, checksummed
+    and, with a key, signed (Note [export files] in cache/bundle.py)."""
+    from adaptive_eager.cache import bundle
+
+    secret, key_file = _export_key(ns)
     disk = _open_disk(ns.cache_dir)
-    manifest = []
-    with tarfile.open(ns.file, "w:gz") as tar:
-        for i, key in enumerate(disk.keys()):
-            entry = disk.get_entry(key)
-            if entry is None:  # failed verification: not exported
-                continue
-            header, payload = entry
-            item: dict[str, Any] = {"key": key, "value": header}
-            if payload:
-                name = f"artifacts/{i}.bin"
-                _add_bytes(tar, name, payload)
-                item["artifact"] = name
-            manifest.append(item)
-        _add_bytes(tar, "manifest.json", json.dumps(manifest, default=str).encode())
-    disk.close()
-    print(f"exported {len(manifest)} entries to {ns.file}")
+    try:
+        n = bundle.write(Path(ns.file), _verified_entries(disk), secret)
+    except OSError as err:
+        print(f"adaptive-eager: cannot write {ns.file}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        disk.close()
+    how = (f"signed with {key_file}" if secret is not None else
+           "not signed: checksums only; sign with --key-file to vouch for it across machines")
+    print(f"exported {n} entries to {ns.file} ({how})")
     return 0
+
+
+def _verified_entries(disk: Any) -> Any:
+    """(key, header, payload) of every entry that verifies and passes its checks."""
+    for key in disk.keys():
+        entry = disk.get_entry(key)
+        if entry is not None:  # failed verification or its checks: not exported
+            yield key, entry[0], entry[1]
 
 
 def cmd_import(ns: argparse.Namespace) -> int:
-    """Entries from an export file; compiled programs are code: import only files you trust
-    (importing is vouching for them: they are signed with this cache's key)."""
+    """Entries from an export file, all of them or none: the file is read and checked whole
+    (checksums; the signature with a key) before anything is stored (Note [export files]).
+    Importing signs the entries with this cache's key: programs are code, so this is you
+    vouching for them."""
+    import sqlite3
+    import tempfile
+
+    from adaptive_eager.cache import bundle
+    from adaptive_eager.cache.disk import BadEntry
+
+    secret, _ = _export_key(ns)
     disk = _open_disk(ns.cache_dir)
-    count = 0
-    with tarfile.open(ns.file, "r:gz") as tar:  # read by name only: nothing is extracted
-        manifest = json.loads(_read(tar, "manifest.json"))
-        for item in manifest if isinstance(manifest, list) else []:
-            if not isinstance(item, dict):
-                continue
-            key, header = item.get("key"), item.get("value")
-            if not isinstance(key, str) or not isinstance(header, dict):
-                continue
-            artifact = item.get("artifact")
-            payload = _read(tar, artifact) if isinstance(artifact, str) else b""
-            if disk.put_entry(key, header, payload):
-                count += 1
-    disk.close()
-    print(f"imported {count} entries into {disk.directory}")
+    try:
+        if disk.read_only:
+            return _refused(ns.file, f"the cache folder {disk.directory} is read-only")
+        with tempfile.TemporaryFile() as spool:
+            try:
+                found = bundle.read(Path(ns.file), secret, disk.size_limit, disk.size_limit,
+                                    spool)
+            except bundle.BundleError as err:
+                return _refused(ns.file, str(err))
+            try:
+                n = disk.store_entries(found.items())
+            except (sqlite3.Error, OSError, BadEntry) as err:
+                return _refused(ns.file, f"storing failed ({err})")
+    finally:
+        disk.close()
+    print(f"imported {n} entries into {disk.directory}")
+    if secret is None:
+        print(f"adaptive-eager: {ns.file} is not signed: its checksums show it is undamaged, not "
+              "who made it (sign exports with --key-file to check that)", file=sys.stderr)
     return 0
 
 
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
+def _refused(file: str, why: str) -> int:
+    print(f"adaptive-eager: import of {file} refused: {why}; nothing was imported",
+          file=sys.stderr)
+    return 1
 
 
-def _read(tar: tarfile.TarFile, name: str) -> bytes:
-    f = tar.extractfile(name)
-    if f is None:
-        raise SystemExit(f"adaptive-eager: {name} missing from the export file")
-    return f.read()
+def _export_key(ns: argparse.Namespace) -> tuple[bytes | None, str | None]:
+    """The secret of --key-file, else of ADAPTIVE_EAGER_EXPORT_KEY_FILE, else none."""
+    from adaptive_eager.cache import trust
+
+    path = ns.key_file or config.resolve().export_key_file
+    if not path:
+        return None, None
+    try:
+        return trust.read_key_file(path), path
+    except trust.Untrusted as err:
+        raise config.ConfigError(f"{err} (--key-file or "
+                                 f"{config.setting('export_key_file').env})") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=f"{name} a warm cache as one file")
         s.add_argument("file")
         s.add_argument("--cache-dir", default=None)
+        s.add_argument("--key-file", default=None,
+                       help="a private file (0600, at least 32 bytes) whose secret signs the "
+                            "file (export) and must have signed it (import); default "
+                            "$ADAPTIVE_EAGER_EXPORT_KEY_FILE, else unsigned (checksums only)")
         s.set_defaults(fn=fn)
     return p
 

@@ -167,6 +167,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("remote_cache_key_file", "ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE", _parse_str, "",
             "A private file (0600, yours, at least 32 bytes) holding the secret that signs "
             "remote entries; the same file on every machine."),
+    # export files (Note [export files] in cache/bundle.py)
+    Setting("export_key_file", "ADAPTIVE_EAGER_EXPORT_KEY_FILE", _parse_str, "",
+            "A private file (0600, yours, at least 32 bytes) whose secret signs export files "
+            "and is required to import them; --key-file overrides it (unset: checksums only)."),
     # variable shapes (Note [symbolic dims] in shapes.py)
     Setting("symbolic_dims", "ADAPTIVE_EAGER_SYMBOLIC_DIMS", _parse_bool, True,
             "Learn which dimensions vary (one trace for every sequence length) and keep what "
@@ -211,6 +215,7 @@ class Options:
     service_idle_s: int = 120
     remote_cache: str = ""
     remote_cache_key_file: str = ""
+    export_key_file: str = ""  # read by the export/import commands only
     lazy_guard: bool = True
     accel: bool = True  # the C accelerator
     gc_headroom: bool = True  # Note [young collections]

@@ -12,7 +12,8 @@ class Metrics:
         "fallbacks", "meta_misses", "engine_errors", "replay_errors", "flush_reasons",
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
-        "disk_errors", "quarantined", "fused_errors", "kept_fused", "kept_replay", "step_asides",
+        "disk_errors", "disk_invalid", "quarantined", "fused_errors", "kept_fused", "kept_replay",
+        "step_asides",
         "trials", "trials_running", "guard_arms", "guard_disarms", "compile_waits", "layout_fixes", "helper_errors",
         "alias_fixes",
         "service_errors", "service_compiles", "service_shared", "compile_queued_seconds",
@@ -48,6 +49,7 @@ class Metrics:
         self.disk_hits = 0  # compiled programs loaded from the disk cache
         self.disk_misses = 0
         self.disk_errors = 0  # unreadable/foreign entries, failed writes, refused folders
+        self.disk_invalid = 0  # entries that verified but whose fields fail their checks
         self.quarantined = 0  # traces whose fused program disagreed with op-by-op replay
         self.fused_errors = 0  # a fused program raised at run time (replayed instead)
         self.kept_fused = 0  # decisions: fused measured faster than replay

@@ -11,8 +11,10 @@ HMAC-SHA256 under a per-cache secret (``<dir>/secret``, 32 random bytes, created
 O_EXCL|O_NOFOLLOW) over the key and the exact bytes after it; it is checked before anything is
 parsed. Headers are JSON and payloads raw bytes: statistics and quarantine marks are plain JSON,
 a program is its JSON metadata plus the backend's artifact bytes. Nothing is unpickled, so a
-planted value can at most be refused; ``cache ls`` reads headers only. Entries of the earlier
-diskcache format (pickles) are never loaded: they are counted and their files collected.
+planted value can at most be refused; ``cache ls`` reads headers only. A value that verifies
+then has its fields checked by type and range before anyone reads them (Note [cache values are
+checked] in values.py). Entries of the earlier diskcache format (pickles) are never loaded:
+they are counted and their files collected.
 
 Note [cache size]
 ``cache_size_mb`` bounds everything the folder holds: the database, the run logs and Inductor's
@@ -42,11 +44,12 @@ import struct
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import quote
 
 
-from adaptive_eager.cache import pins, trust
+from adaptive_eager.cache import pins, trust, values
 from adaptive_eager.cache.trust import Untrusted
 from adaptive_eager.metrics import METRICS as M
 
@@ -56,7 +59,6 @@ FORMAT = 2  # bump when the value layout changes: old entries are then skipped
 _PROGRAM = "program:"
 _STATS = "stats:"
 _QUARANTINE = "quarantine:"
-_KINDS = ("program", "stats", "quarantine")
 DB_NAME = "cache.sqlite"
 SECRET_NAME = "secret"
 INDUCTOR_DIR = "inductor"
@@ -64,6 +66,7 @@ RUNS_DIR = "runs"
 _LEGACY_DB = "cache.db"  # the diskcache format (pickled values): never loaded
 _LEGACY_SUB = re.compile(r"^[0-9a-f]{2}$")
 _LEGACY_VAL = re.compile(r"^[0-9a-f]{28}\.val$")
+_KEY = re.compile(r"^(program|stats|quarantine):[A-Za-z0-9_.+=-]{1,256}$")
 _MAGIC = b"AEC2"
 _HEAD = struct.Struct("<I")
 _MAC_LEN = 32
@@ -322,6 +325,16 @@ class DiskCache:
             raise BadEntry("header is not a JSON object")
         return header, (b"" if header_only else body[start + n:])
 
+    def checked(self, key: str, blob: Any, header_only: bool = False) -> tuple[dict, bytes]:
+        """``decode``, then the type and range checks of every field (Note [cache values are
+        checked] in values.py); raise BadEntry for a value that fails either."""
+        header, payload = self.decode(key, blob, header_only)
+        why = values.problem(key, header, None if header_only else len(payload))
+        if why is not None:
+            M.disk_invalid += 1
+            raise BadEntry(f"unexpected content ({why})")
+        return header, payload
+
     def _get(self, key: str, header_only: bool = False, touch: bool = False
              ) -> tuple[dict, bytes] | None:
         try:
@@ -334,7 +347,7 @@ class DiskCache:
         if not rows:
             return None
         try:
-            value = self.decode(key, rows[0][0], header_only)
+            value = self.checked(key, rows[0][0], header_only)
         except BadEntry as err:
             self._bad(key, str(err))
             return None
@@ -414,13 +427,14 @@ class DiskCache:
         found: list[tuple[float, str]] = []
         for key, blob in rows:
             try:
-                stats = self.decode(key, blob, header_only=True)[0]
-            except BadEntry:
+                stats = self.checked(key, blob, header_only=True)[0]
+            except BadEntry as err:
+                self._bad(key, str(err))
                 continue
             pk = stats.get("program_key")
             if (isinstance(pk, str) and stats.get("script") == script and stats.get("hot")
-                    and not str(stats.get("decision", "")).startswith("op-by-op")):
-                found.append((float(stats.get("used_at", 0.0) or 0.0), pk))
+                    and not stats.get("decision", "").startswith("op-by-op")):
+                found.append((stats.get("used_at", 0.0), pk))
         found.sort(reverse=True)
         keys = []
         for _, pk in found:
@@ -443,11 +457,36 @@ class DiskCache:
         return self._get(key)
 
     def put_entry(self, key: str, header: dict, payload: bytes = b"") -> bool:
-        """Store an entry the user vouches for (``import``), under this cache's key."""
-        if key.split(":", 1)[0] not in _KINDS or not isinstance(header, dict):
+        """Store an entry the user vouches for, under this cache's key (False: refused)."""
+        if entry_problem(key, header, len(payload)) is not None or self.read_only:
             return False
         self._set(key, header, payload)
         return True
+
+    def store_entries(self, entries: Iterable[tuple[str, dict, bytes]]) -> int:
+        """Store all of ``entries`` (``import``: checked by the caller with ``entry_problem``)
+        in one transaction, or none of them: raises on any failure (rolled back). Returns how
+        many were stored."""
+        if self.read_only:
+            raise sqlite3.OperationalError(f"{self.directory} is read-only")
+        n = 0
+        with self._lock:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for key, header, payload in entries:
+                    why = entry_problem(key, header, len(payload))
+                    if why is not None:
+                        raise BadEntry(f"{key[:40]}: {why}")
+                    blob = self.encode(key, header, payload)
+                    db.execute("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
+                               "VALUES (?, ?, ?, ?)", (key, blob, len(blob), time.time()))
+                    n += 1
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return n
 
     def raw_get(self, key: str) -> bytes | None:
         """The stored bytes, unverified (tests and repair only: never parse them)."""
@@ -627,6 +666,16 @@ class DiskCache:
                 except Exception:
                     pass
                 self._conn = None
+
+
+def entry_problem(key: Any, header: Any, payload_size: int = 0) -> str | None:
+    """What keeps an entry from being stored (None: nothing): its key's form, then its
+    fields (Note [cache values are checked] in values.py)."""
+    if type(key) is not str or not _KEY.match(key):
+        return "a key of the form program:, stats: or quarantine: and a name"
+    if not key.startswith(_PROGRAM) and payload_size:
+        return "only programs carry an artifact"
+    return values.problem(key, header, payload_size if key.startswith(_PROGRAM) else None)
 
 
 def _writable(path: Path) -> bool:

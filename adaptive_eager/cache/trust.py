@@ -167,6 +167,33 @@ def read_private(root: Path, rel: str, limit: int = 1 << 30) -> bytes:
         return f.read(limit)
 
 
+def read_key_file(path: str | Path, min_bytes: int = 32) -> bytes:
+    """A secret from a plain file of this user that nobody else can read or write (0600), at
+    least ``min_bytes`` long; raise Untrusted saying what is wrong."""
+    try:
+        fd = os.open(os.path.expanduser(os.fspath(path)),
+                     os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        why = "a symlink" if err.errno == errno.ELOOP else err.strerror
+        raise Untrusted(f"key file {path}: cannot open it ({why})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"key file {path}: not a plain file")
+        if hasattr(os, "geteuid") and st.st_uid != uid():
+            raise Untrusted(f"key file {path}: belongs to uid {st.st_uid}, not to this user")
+        if st.st_mode & 0o077:
+            raise Untrusted(f"key file {path}: others may read or write it (mode {_mode(st)}); "
+                            f"run chmod 600 on it")
+        secret = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    if len(secret) < min_bytes:
+        raise Untrusted(f"key file {path}: holds {len(secret)} bytes; at least {min_bytes} "
+                        f"bytes of secret are needed (e.g. head -c 32 /dev/urandom > FILE)")
+    return secret
+
+
 def scan(folder: Path) -> tuple[int, dict[str, tuple[int, float]], dict[str, str]]:
     """Walk ``folder`` without following links.
 
