@@ -110,6 +110,9 @@ SYM_GUARD_MEMO = 4096  # sizes whose guard verdict is remembered per program
 PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
 PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
+COVERAGE = 0.5  # share of recent deferred ops in hot traces before it may (Note [coverage])
+COVERAGE_DECAY = 0.99  # per flush: the recent ops are those of about the last 100 flushes
+COVERAGE_FLUSHES = 16  # flushes seen before the share says anything; the engine checks every 16
 RARE_WINDOW = 512  # recent flushes a trace's runs are counted over (Note [rare traces])
 RARE_RATIO = 10  # another trace ran this many times as often there (and as long): rare, hot later
 RARE_RECHECK = 64  # flushes a rare verdict is kept before it is counted again
@@ -726,6 +729,8 @@ class CompileManager:
         self._untimed: TraceEntry | None = None  # a checked run: not the program's time
         self.decided: list[TraceEntry] = []
         self.flushes = 0
+        self.ops_recent = 0.0  # deferred ops of recent flushes, decayed (Note [coverage])
+        self.ops_cold = 0.0  # the part of them in traces not yet hot
         self.hits = 0
         self.probe_start: int | None = None
         self.kept_at_probe = 0
@@ -1455,9 +1460,32 @@ class CompileManager:
         self.save_stats(entry, sample=True)
 
     # ---- stepping aside (Note [stepping aside] in aside.py) -----------------------------------
-    def note_flush(self, hit: bool) -> None:
+    def note_flush(self, hit: bool, n_ops: int, state: str) -> None:
+        """A flush of ``n_ops`` ops whose trace entry is in ``state`` (Note [coverage])."""
         self.flushes += 1
         self.hits += hit
+        self.ops_recent = self.ops_recent * COVERAGE_DECAY + n_ops
+        self.ops_cold = self.ops_cold * COVERAGE_DECAY + (n_ops if state == "new" else 0)
+
+    # Note [coverage]
+    # Decisions about the whole thread (step aside, or a trial against plain eager) are made
+    # from the traces decided so far; they speak for the program only when hot traces are
+    # most of what it runs. A Mamba-style scan (a Python loop over 32 time steps, forward and
+    # backward, Adam) learns its step's ops in its first step, then a 5-op trace that runs a
+    # dozen times a step is hot and decided first: "1 traces measured" stepped the whole
+    # thread aside for 2000 rounds before its 2,000-op step trace had run twice (fused later,
+    # it ran in 4 ms against 26 op by op). So neither happens while traces not yet hot (state
+    # "new") ran more than 1 - COVERAGE of the ops deferred over about the last 100 flushes (a
+    # decayed count, per flush: cheap, and the learning step's ops fade out). Hot traces still
+    # compiling or being measured hold decisions back on their own (Note [undecided means
+    # measuring too]); traces that never repeat have their own rules (hits, settled shapes).
+    # The share says nothing before the program's later traces were seen at all: a step whose
+    # first half is a dozen 2-op flushes had one of them decided, and the share "covered", 10
+    # flushes in, before the step's own 61-op trace ran once; so at least COVERAGE_FLUSHES
+    # flushes first (a training loop with one flush a step still steps aside within 30 steps).
+    def _covered(self) -> bool:
+        return self.flushes >= COVERAGE_FLUSHES and \
+            self.ops_cold <= (1.0 - COVERAGE) * self.ops_recent
 
     def step_aside_reason(self) -> str | None:
         """Why the engine should leave the mode stack, or None while something gains."""
@@ -1480,7 +1508,7 @@ class CompileManager:
         if M.ops_intercepted >= NO_REPEAT_OPS and M.meta_misses >= 0.5 * M.ops_intercepted:
             return (f"shapes do not settle ({M.meta_misses} of {M.ops_intercepted} ops saw new "
                     "metadata and ran eagerly)")
-        if len(self.decided) < MIN_DECISIONS or self._undecided_hot():
+        if len(self.decided) < MIN_DECISIONS or self._undecided_hot() or not self._covered():
             return None
         engine, eager = self.round_estimate()
         if engine >= eager:
@@ -1542,7 +1570,7 @@ class CompileManager:
         for a measured trial against plain eager, Note [measured trial] in aside.py)."""
         return (self.options.step_aside and self.backend.compiles and self.probe_start is None
                 and len(self.decided) >= MIN_DECISIONS and not self._undecided_hot()
-                and M.compiles_pending == 0)
+                and M.compiles_pending == 0 and self._covered())
 
     def _undecided_hot(self) -> bool:
         """A hot trace still on its way to a decision (compiling or being measured).

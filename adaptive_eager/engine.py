@@ -572,9 +572,9 @@ class Engine:
             if entry.state == "new":
                 mgr.observe(entry, tr)
             program = mgr.program_for(entry, tr, live)
-            mgr.note_flush(tr.node is not None and entry.runs > 1)
+            mgr.note_flush(tr.node is not None and entry.runs > 1, len(tr.ops), entry.state)
             # stepping aside pushes and pops modes: only on the owner's own thread
-            if owner and self.presence is not None and ((mgr.flushes & 31) == 0
+            if owner and self.presence is not None and ((mgr.flushes & 15) == 0
                                               or len(mgr.decided) != self._decisions_seen):
                 self._decisions_seen = len(mgr.decided)
                 self._consider_step_aside()

@@ -370,7 +370,7 @@ def test_aside_between_contexts_then_probes_again(monkeypatch: pytest.MonkeyPatc
     options = dict(backend=graph_backend.name, hot_after=2, compile_async=False,
                    cache_dir=str(cache_dir), disk_cache=False, probe_every=10)
     # 60 calls: measuring takes 1 + 2 * MEASURE_RUNS runs (Note [paired timing]), a probe ends
-    # at the next step-aside check (every 32 flushes)
+    # at the next step-aside check (every 16 flushes)
     outs, intercepted = _context_calls(60, options)
     m = ae.metrics()
     assert m["step_asides"] >= 2, m  # aside, probed, aside again
@@ -596,3 +596,35 @@ def test_sync_wrappers_go_with_a_thread_that_ends(cache_dir: Path) -> None:
     t.join(60)
     gc.collect()
     assert not any(n in torch.Tensor.__dict__ for n in ("item", "__bool__"))
+
+
+def test_a_small_decided_trace_does_not_speak_for_the_whole_program(
+        monkeypatch: pytest.MonkeyPatch, cache_dir: Path, graph_backend: object) -> None:
+    """Note [coverage]: a 2-op trace that runs a dozen times a step is decided before the
+    step's own trace has run twice; the estimate (here: recording "costs" a second an op, so
+    it says step aside as soon as it is consulted) waits until decided traces are most of the
+    ops, so the step's trace is compiled and decided first."""
+    calibrate()
+    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
+    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    x = torch.randn(64)
+    counters = [torch.zeros(4) for _ in range(12)]
+
+    def step() -> float:
+        for c in counters:  # 12 flushes of one 2-op trace a step
+            c.add_(1)
+            c.sum().item()
+        y = x
+        for _ in range(20):  # the step's own trace: 60 ops
+            y = torch.tanh(y * 0.9) + 0.1
+        return y.sum().item()
+
+    ref = [step() for _ in range(12)]
+    for c in counters:
+        c.zero_()
+    with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, compile_async=False,
+                           cache_dir=str(cache_dir), disk_cache=False, probe_every=2000):
+        got = [step() for _ in range(12)]
+    m = ae.metrics()
+    assert m["compiles"] >= 2, m  # the step's trace was compiled before any step aside
+    assert got == ref
