@@ -29,12 +29,12 @@ import hmac
 import json
 import logging
 import os
-import stat
 import struct
 import threading
 from typing import Any
 
 from adaptive_eager import config
+from adaptive_eager.cache import trust
 
 log = logging.getLogger("adaptive_eager")
 
@@ -55,24 +55,9 @@ class RemoteError(RuntimeError):
 
 def _read_secret(path: str) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as err:
-        raise RemoteError(f"{KEY_ENV}={path}: cannot open ({err.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RemoteError(f"{KEY_ENV}={path}: not a plain file")
-        if st.st_uid != os.getuid():
-            raise RemoteError(f"{KEY_ENV}={path}: not owned by this user")
-        if st.st_mode & 0o077:
-            raise RemoteError(f"{KEY_ENV}={path}: readable or writable by others "
-                              f"(mode {stat.S_IMODE(st.st_mode):o}; chmod 600 it)")
-        secret = os.read(fd, 1 << 16)
-    finally:
-        os.close(fd)
-    if len(secret) < MIN_SECRET:
-        raise RemoteError(f"{KEY_ENV}={path}: at least {MIN_SECRET} bytes of secret needed")
-    return secret
+        return trust.read_key_file(path, MIN_SECRET)
+    except trust.Untrusted as err:
+        raise RemoteError(f"{KEY_ENV}: {err}") from None
 
 
 class RemoteCache:
