@@ -75,10 +75,7 @@ def _stop_compile_services(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
 @pytest.fixture
 def graph_backend() -> Iterator[object]:
     """``helpers.GraphProgramBackend`` registered under its name for one test."""
-    from adaptive_eager import backends
-    from helpers import GraphProgramBackend
+    from helpers import GraphProgramBackend, registered
 
-    backend = GraphProgramBackend()
-    backends._instances[backend.name] = backend
-    yield backend
-    backends._instances.pop(backend.name, None)
+    with registered(GraphProgramBackend()) as backend:
+        yield backend

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,6 +75,18 @@ def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Ten
         if ctx is not None:
             ctx.__exit__(None, None, None)
     return losses
+
+
+@contextlib.contextmanager
+def registered(backend: Any) -> Iterator[Any]:
+    """``backend`` found by its name while the block runs (as an entry point would be)."""
+    from adaptive_eager import backends
+
+    backends._instances[backend.name] = backend
+    try:
+        yield backend
+    finally:
+        backends._instances.pop(backend.name, None)
 
 
 class GraphProgramBackend:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from helpers import GraphProgramBackend
+from helpers import GraphProgramBackend, registered
 
 RUNS = 6  # hot after 2, then fused runs with new bounds each time (lifted numbers)
 
@@ -82,12 +82,8 @@ class WrongDtypeBackend(GraphProgramBackend):
 
 @pytest.fixture
 def wrong_backend() -> Iterator[WrongDtypeBackend]:
-    from adaptive_eager import backends
-
-    backend = WrongDtypeBackend()
-    backends._instances[backend.name] = backend
-    yield backend
-    backends._instances.pop(backend.name, None)
+    with registered(WrongDtypeBackend()) as backend:
+        yield backend
 
 
 def _run(step: Callable[[int], list[torch.Tensor]], backend: str | None) -> list[list]:
