@@ -92,8 +92,7 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
 # quarantines the trace; the run goes op by op when the program wrote no external tensor, so
 # nothing was changed yet. A program that did write one has applied its writes already: that
 # run keeps its values (logged as an error, counted in ``fused_errors``) and every later run is
-# op by op. The check compares interned metadata objects, so a run whose outputs are all laid
-# out as promised pays one identity test per output.
+# op by op. Three attribute comparisons per live output a run (about a microsecond).
 def _unlike_eager(tr: Trace, live: tuple, outs: Any) -> str | None:
     """Why the program's outputs are not what eager's kernels promised, or None."""
     refs = tr.refs
@@ -102,12 +101,8 @@ def _unlike_eager(tr: Trace, live: tuple, outs: Any) -> str | None:
         if w is None or not isinstance(out, torch.Tensor):
             continue
         want = w._ae_meta
-        got = meta_of(out)
-        if got is want:
-            continue
-        if got.dtype != want.dtype or tuple(got.size) != tuple(want.size) \
-                or got.device != want.device:
-            return (f"fused output {k} is {got.dtype}{list(got.size)} on {got.device} where "
+        if out.dtype != want.dtype or out.shape != want.size or out.device != want.device:
+            return (f"fused output {k} is {out.dtype}{list(out.shape)} on {out.device} where "
                     f"eager gives {want.dtype}{list(want.size)} on {want.device}")
     return None
 
