@@ -43,7 +43,7 @@ def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(5, generator=g).to(dtype) for _ in range(RUNS)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32], ids=str)
 def test_clamp_with_lifted_bounds_keeps_eager_dtype_and_values(cache_dir: Path,
                                                               dtype: torch.dtype) -> None:
     xs = _inputs(dtype)
