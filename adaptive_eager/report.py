@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from adaptive_eager.events import read_runs
@@ -27,6 +28,8 @@ def summarize_run(records: list[dict]) -> dict:
             per_run = t["replay_ms"] - t["fused_ms"]
             saved.append({**_trace_row(t), "saved_ms": round(per_run * t.get("fused_runs", 0), 3)})
     saved.sort(key=lambda r: r["saved_ms"], reverse=True)
+    ledger = [row for row in (_ledger_row(t) for t in traces) if row is not None]
+    ledger.sort(key=lambda r: r["compile_s"], reverse=True)
     causes = [_miss_row(r) for r in misses if r.get("cause") not in _FIRST_SIGHT]
     causes.sort(key=lambda r: r["count"], reverse=True)
     return {
@@ -56,6 +59,7 @@ def summarize_run(records: list[dict]) -> dict:
         "fallbacks": m.get("fallbacks", 0), "step_asides": m.get("step_asides", 0),
         "compile_waits": m.get("compile_waits", 0),
         "top_traces": saved[:10],
+        "ledger": ledger[:20],
         "traces": [_trace_row(t) for t in traces[:50]],
         "flush_reasons": dict(Counter(m.get("flush_reasons", {})).most_common(12)),
         "fallback_ops": dict(Counter(m.get("fallback_ops", {})).most_common(12)),
@@ -98,6 +102,27 @@ def _trace_row(t: dict) -> dict:
     if row["state"] == "compiling":  # the log is written at exit: that compile never finished
         row["state"] = "compiling when the run ended"
     return row
+
+
+def _ledger_row(t: dict) -> dict | None:
+    """What a compiled trace cost and what it gave back in this run (the payback ledger).
+
+    ``saved_ms_per_run``: its op-by-op time less its fused time, both measured in this process;
+    ``break_even_runs``: fused runs needed to win back the compile (None: it never does, the
+    program is not faster); ``saved_s``: what its fused runs saved so far."""
+    compile_s = t.get("compile_s") or 0.0
+    if compile_s <= 0:
+        return None
+    replay, fused = t.get("replay_ms"), t.get("fused_ms")
+    per_run = replay - fused if replay is not None and fused is not None else None
+    fused_runs = t.get("fused_runs") or 0
+    saved_s = per_run * fused_runs / 1000.0 if per_run is not None else 0.0
+    even = math.ceil(compile_s * 1000.0 / per_run) if per_run is not None and per_run > 0 \
+        else None
+    return {"trace": t.get("trace"), "n_ops": t.get("n_ops"), "compile_s": round(compile_s, 3),
+            "saved_ms_per_run": None if per_run is None else round(per_run, 3),
+            "runs": t.get("runs"), "fused_runs": fused_runs, "break_even_runs": even,
+            "saved_s": round(saved_s, 3), "paid_back": even is not None and fused_runs >= even}
 
 
 def _miss_row(r: dict) -> dict:
@@ -237,6 +262,17 @@ def _format_run(r: dict) -> list[str]:
             out.append(f"    {t['trace'][:12]:14} {t['runs']:>5} {t['n_ops']:>5} "
                        f"{t['replay_ms'] or 0:>12.3f} {t['fused_ms'] or 0:>9.3f} "
                        f"{t['saved_ms']:>9.3f}  {t['decision']}")
+    if r.get("ledger"):
+        out.append("  payback ledger (compile seconds against seconds saved by fused runs):")
+        out.append(f"    {'trace':14} {'ops':>5} {'compile s':>10} {'saved/run ms':>13} "
+                   f"{'fused runs':>10} {'break-even':>10} {'saved s':>8}")
+        for t in r["ledger"]:
+            even = "never" if t["break_even_runs"] is None else t["break_even_runs"]
+            per_run = "-" if t["saved_ms_per_run"] is None else f"{t['saved_ms_per_run']:.3f}"
+            out.append(f"    {(t['trace'] or '')[:12]:14} {t['n_ops'] or 0:>5} "
+                       f"{t['compile_s']:>10.3f} {per_run:>13} {t['fused_runs']:>10} "
+                       f"{even:>10} {t['saved_s']:>8.3f}"
+                       + ("  paid back" if t["paid_back"] else ""))
     if r["flush_reasons"]:
         out.append("  flush reasons: " + ", ".join(f"{k} x{v}" for k, v in
                                                     r["flush_reasons"].items()))

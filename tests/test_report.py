@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from adaptive_eager.report import _format_run, summarize_run
 
 
@@ -113,3 +115,40 @@ def test_jobs_known_by_address_split_where_their_times_do_not_overlap() -> None:
     jobs = group_jobs(runs)
     assert [[k["run_id"] for k in j["ranks"]] for j in jobs] == [["a0", "a1"], ["b0", "b1"]]
     assert jobs[0]["job"] != jobs[1]["job"]
+
+
+def test_payback_ledger_of_a_real_run(cache_dir: Path) -> None:
+    """A compiled chain's row: its compile time, what each fused run saved against op by op
+    (both measured in the run), and the fused runs needed to win the compile back."""
+    import math
+
+    import torch
+
+    import adaptive_eager as ae
+    from adaptive_eager.report import build_report, format_report
+
+    x = torch.randn(1 << 16)
+    with ae.adaptive_eager(hot_after=2, compile_async=False, step_aside=False,
+                           cache_dir=str(cache_dir)):
+        for _ in range(30):
+            y = x
+            for _ in range(8):
+                y = torch.tanh(y * 0.9) + 0.1
+            y.sum().item()
+    run = build_report(cache_dir, last=True)["runs"][0]
+    rows = {t["trace"]: t for t in run["traces"]}
+    assert run["ledger"], run["traces"]
+    for row in run["ledger"]:
+        t = rows[row["trace"]]
+        assert row["compile_s"] == round(t["compile_s"], 3) > 0
+        if t["replay_ms"] is None or t["fused_ms"] is None:
+            assert row["break_even_runs"] is None and row["saved_s"] == 0
+            continue
+        per_run = t["replay_ms"] - t["fused_ms"]
+        assert row["saved_ms_per_run"] == round(per_run, 3)
+        assert row["fused_runs"] == t["fused_runs"]
+        assert row["saved_s"] == round(per_run * t["fused_runs"] / 1000, 3)
+        want = math.ceil(t["compile_s"] * 1000 / per_run) if per_run > 0 else None
+        assert row["break_even_runs"] == want
+        assert row["paid_back"] == (want is not None and t["fused_runs"] >= want)
+    assert "payback ledger" in format_report(build_report(cache_dir, last=True))
