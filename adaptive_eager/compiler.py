@@ -1769,7 +1769,7 @@ class CompileManager:
             M.disk_hits += 1
         else:
             value = self._stored_program(key)
-            if value is None:  # Note [remote program plan]
+            if value is None:  # Note [remote program plan] in cache/remote.py
                 g, key, value = self._by_remote_plan(entry, trace, live, g, key)
             if value is None:
                 M.disk_misses += 1
