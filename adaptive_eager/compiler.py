@@ -1393,7 +1393,8 @@ class CompileManager:
                 and entry.graph is not None):
             # Note [remote program store]: what compiled here, to the other machines
             remote_cache.publish_from(self.disk, self._program_key(entry, entry.graph),
-                                      torch.__version__)
+                                      torch.__version__, self._plan_key(entry, entry.graph),
+                                      entry.graph.lifted)
         log.info("adaptive_eager: program for trace %s (%d ops) ready after %.2fs",
                  entry.digest[:12], entry.n_ops, seconds)
         return None
@@ -1679,6 +1680,12 @@ class CompileManager:
                      baked=tuple(zip(g.baked, g.baked_values)), **extra)
         return program_key(trace, f"{self.backend.name}:{self.backend.options_key()}", g.state)
 
+    def _plan_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
+        """Where the remote store keeps the plan of this trace's program: from what a process
+        knows at the trace's first run (Note [remote program plan] in cache/remote.py)."""
+        trace = dict(digest=entry.digest, live=g.live, dynamic=g.dynamic, plan=1)
+        return program_key(trace, f"{self.backend.name}:{self.backend.options_key()}", g.state)
+
     def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
                seconds: float, data: bytes | None = None, stored: bool = False) -> None:
         if self.disk is None or entry.in_process:
@@ -1761,9 +1768,9 @@ class CompileManager:
         if program is not None:
             M.disk_hits += 1
         else:
-            value = self.disk.get_program(key, torch.__version__)
-            if value is None and remote_cache.fetch_into(self.disk, key, torch.__version__):
-                value = self.disk.get_program(key, torch.__version__)  # the remote store's
+            value = self._stored_program(key)
+            if value is None:  # Note [remote program plan] in cache/remote.py
+                g, key, value = self._by_remote_plan(entry, trace, live, g, key)
             if value is None:
                 M.disk_misses += 1
                 return False
@@ -1782,6 +1789,37 @@ class CompileManager:
         entry.compile_s = 0.0
         entry.state = entry.loaded_state = "measuring"  # measured again: this process differs
         return True
+
+    def _stored_program(self, key: str) -> dict | None:
+        """The program stored under ``key``: on disk, else the remote store's (Note [remote
+        program store]), written to disk and read back from there."""
+        value = self.disk.get_program(key, torch.__version__)
+        if value is None and remote_cache.fetch_into(self.disk, key, torch.__version__):
+            value = self.disk.get_program(key, torch.__version__)
+        return value
+
+    def _by_remote_plan(self, entry: TraceEntry, trace: Trace, live: list[int],
+                        g: graph_mod.TraceGraph, key: str) -> tuple[Any, str, dict | None]:
+        """Note [remote program plan] in cache/remote.py: the program another machine compiled
+        for this trace, found through the numbers it lifted (graph, key and stored value), or
+        ``(g, key, None)``."""
+        plan = remote_cache.fetch_plan(self._plan_key(entry, g), torch.__version__)
+        if plan is None:
+            return g, key, None
+        varying = entry.varying | {i for i in plan if i < len(trace.scalars)}
+        if varying == entry.varying:  # nothing this process does not know: the same key
+            return g, key, None
+        try:
+            planned = graph_mod.build(trace, live, varying,
+                                      template=trace.sym if entry.sym is not None else None)
+        except Exception:
+            return g, key, None
+        planned_key = self._program_key(entry, planned)
+        value = self._stored_program(planned_key)
+        if value is None:
+            return g, key, None
+        entry.varying |= varying  # lifted numbers are inputs: correct whatever their values
+        return planned, planned_key, value
 
     def _load_now(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
         """Note [warm start]

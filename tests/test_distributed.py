@@ -708,6 +708,35 @@ def test_remote_store_verifies_every_entry(redis_url: str, tmp_path: Path) -> No
     assert ours.get_program("absent", torch.__version__) is None
 
 
+def test_remote_plan_is_verified_like_programs(redis_url: str) -> None:
+    """A program's plan (Note [remote program plan]) comes back as published; one signed with
+    another key, a program entry copied to a plan's place, a signed plan that is not a list of
+    positions: refused and counted, never returned."""
+    import redis
+
+    from adaptive_eager.cache import remote
+
+    ours = remote.RemoteCache(redis_url, b"s" * 40)
+    theirs = remote.RemoteCache(redis_url, b"t" * 40)
+    assert ours.put_plan("p1", torch.__version__, (4, 1))
+    assert ours.get_plan("p1", torch.__version__) == (1, 4)
+    assert ours.put_plan("p1", torch.__version__, (1, 4, 7))  # numbers seen to vary only grow
+    assert ours.get_plan("p1", torch.__version__) == (1, 4, 7)
+    assert ours.get_plan("absent", torch.__version__) is None
+    before = remote.STATS["refused"]
+    assert theirs.get_plan("p1", torch.__version__) is None  # another key
+    assert ours.get_plan("p1", "0.0.0") is None  # another torch
+    client = redis.Redis.from_url(redis_url)
+    ours.put_program("p2", torch.__version__, "inductor", b'{"lifted": [0]}', {})
+    client.set(remote.PLAN_PREFIX + "p2", client.get(remote.PREFIX + "p2"))
+    assert ours.get_plan("p2", torch.__version__) is None  # a program is never read as a plan
+    for bad in (b'{"lifted": ["x"]}', b'{"lifted": [-1]}', b'{"lifted": 3}', b"[1]", b"\xff"):
+        client.set(remote.PLAN_PREFIX + "p3", ours.encode("p3", torch.__version__, "plan", bad,
+                                                          {}, remote.PLAN_PREFIX))
+        assert ours.get_plan("p3", torch.__version__) is None, bad
+    assert remote.STATS["refused"] == before + 8
+
+
 def test_remote_store_needs_a_private_key_file(redis_url: str, tmp_path: Path) -> None:
     from adaptive_eager.cache import remote
 
@@ -722,51 +751,79 @@ def test_remote_store_needs_a_private_key_file(redis_url: str, tmp_path: Path) -
     assert remote.from_env({}) is None
 
 
-@pytest.mark.slow
-def test_remote_store_serves_another_machines_cache(redis_url: str, tmp_path: Path,
+def _remote_train(optim: str, baked: float, opts: dict | None) -> list[float]:
+    """Eight training steps of the small MLP (with the engine when ``opts`` is given).
+    ``baked``: a hyperparameter the program has as a constant (SGD's lr, Adam's beta1)."""
+    import adaptive_eager as ae
+
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = (torch.optim.SGD(model.parameters(), lr=baked) if optim == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=1e-2, betas=(baked, 0.999)))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    ctx = ae.adaptive_eager(**opts) if opts is not None else contextlib.nullcontext()
+    with ctx:
+        for _ in range(8):
+            x, y = _batch("mlp", g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def _on_machine(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh "machine": an empty cache folder, no trace or statistics of an earlier run."""
+    import adaptive_eager as ae
+
+    ae.disable()
+    ae.clear_caches()
+    ae.reset_metrics()
+    monkeypatch.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(tmp_path / name))
+
+
+@pytest.mark.slow  # 1-2 minutes each on 2 busy cores
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_remote_store_serves_another_machines_cache(optim: str, redis_url: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """One "machine" (cache folder A) compiles and publishes; another (empty cache folder B)
-    runs the same training with no compile at all, fused, within tolerance of eager."""
+    runs the same training with no compile at all, fused, within tolerance of eager. Adam's
+    step-dependent numbers (bias corrections) are lifted only once seen to change, so B's key
+    at the trace's first run is found through the published plan (Note [remote program
+    plan]). A third (C) with another hyperparameter (a number baked into the program) finds
+    the plan but not a program for its constants: it compiles its own, equal to its eager."""
     import adaptive_eager as ae
     from adaptive_eager.cache import remote
 
     monkeypatch.setenv(remote.URL_ENV, redis_url)
     monkeypatch.setenv(remote.KEY_ENV, str(_key_file(tmp_path / "key")))
-
-    def train(opts: dict | None) -> list[float]:
-        torch.manual_seed(0)
-        model = _mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        ctx = ae.adaptive_eager(**opts) if opts is not None else contextlib.nullcontext()
-        with ctx:
-            for _ in range(8):
-                x, y = _batch("mlp", g)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        return losses
-
-    eager = train(None)
+    remote.STATS.clear()
     opts = {"compile_async": False, "step_aside": False, "compile_service": False}
-    monkeypatch.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(tmp_path / "A"))
-    train(opts)
+    baked = 0.05 if optim == "sgd" else 0.9
+    eager = _remote_train(optim, baked, None)
+    _on_machine("A", tmp_path, monkeypatch)
+    _remote_train(optim, baked, opts)
     ma = ae.metrics()
     assert ma["compiles"] > 0 and remote.STATS["published"] > 0
-    ae.disable()
-    ae.clear_caches()
-    ae.reset_metrics()
-    monkeypatch.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(tmp_path / "B"))
-    got = train(opts)
+    _on_machine("B", tmp_path, monkeypatch)
+    got = _remote_train(optim, baked, opts)
     m = ae.metrics()
     assert m["compiles"] == 0 and m["disk_hits"] > 0 and m["compiled_runs"] > 0, (
         {k: m[k] for k in ("compiles", "disk_hits", "disk_misses", "compiled_runs")},
         remote.stats())
-    assert remote.STATS["hits"] > 0
+    assert remote.STATS["hits"] > 0 and remote.STATS["refused"] == 0
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-6)
+    if optim == "adam":
+        assert remote.STATS["plan_hits"] > 0  # the first-run key alone missed
+
+    other = baked * 0.9
+    eager_c = _remote_train(optim, other, None)
+    _on_machine("C", tmp_path, monkeypatch)
+    got_c = _remote_train(optim, other, opts)
+    assert ae.metrics()["compiles"] > 0  # A's program (other constants) was not served
+    torch.testing.assert_close(got_c, eager_c, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow  # about a minute on 2 busy cores

@@ -2,12 +2,13 @@
 
 Note [remote program store]
 Ranks on many machines compile the same traces; one machine's program can serve them all. The
-store is Redis (Inductor's own remote cache speaks it too; redis-py), holding programs only,
-under the same keys as the disk cache (``program_key``, Note [program key]: trace and program
-plan, the engine's code fingerprint, torch build, backend options, ambient state). It sits behind the disk
-cache: a disk miss asks the store, and a verified entry is written into the disk cache (signed
-there with the local key, as every local entry is) and loaded from it as usual; a program
-compiled here is published to the store once it is on disk.
+store is Redis (Inductor's own remote cache speaks it too; redis-py), holding programs under
+the same keys as the disk cache (``program_key``, Note [program key]: trace and program plan,
+the engine's code fingerprint, torch build, backend options, ambient state), and each one's plan
+under a key known before it (Note [remote program plan]). It sits behind the disk cache: a
+disk miss asks the store, and a verified entry is written into the disk cache (signed there
+with the local key, as every local entry is) and loaded from it as usual; a program compiled
+here is published to the store once it is on disk.
 
 A program is code and a Redis server is a place others can write, so the store is trusted
 only through a shared secret: ``ADAPTIVE_EAGER_REMOTE_CACHE_KEY_FILE`` names a file of at least
@@ -19,6 +20,23 @@ artifact's size and SHA-256. Anything else is refused and counted (``refused``),
 Without a usable key file the store is not used at all (one warning): an entry nobody can
 verify is never trusted. Connection errors switch the store off for the rest of the process
 (counted, logged once); the disk cache and compiles go on as without it.
+
+Note [remote program plan]
+A program's key holds its plan (Note [program key]): which Python numbers are lifted to inputs
+and which are baked in, the lifted ones being those seen to change between the trace's runs.
+A process that has only just met the trace (a fresh machine: no statistics on disk, one run
+seen) knows no number that varies, so the key it computes at the trace's first run is not the
+key of the program another machine compiled after watching its numbers (an optimizer's step
+count, bias corrections): every lookup missed and each machine compiled again. So next to
+each program the store holds its plan (``PLAN_PREFIX``), under a key a process computes from
+the trace alone (digest, live slots, and the code, torch, backend and ambient parts of
+Note [program key]). A disk miss reads the plan, builds the graph with those numbers lifted
+(lifting more numbers than this process has seen change is always correct: they become inputs)
+and looks the program up under the key it then computes itself; that key also binds the baked
+numbers, so a program compiled for other constants is never found. The plan is signed and
+verified as programs are (the HMAC binds its Redis key, prefix included: a program entry is
+never read as a plan nor the reverse) and must parse as a list of positions; anything else is
+refused and counted. A later publisher overwrites it (numbers found to vary only grow).
 """
 
 from __future__ import annotations
@@ -45,6 +63,7 @@ FORMAT = 1
 MIN_SECRET = 32
 TIMEOUT_S = 2.0
 PREFIX = "adaptive_eager:program:"
+PLAN_PREFIX = "adaptive_eager:plan:"  # Note [remote program plan]
 
 STATS: collections.Counter[str] = collections.Counter()
 
@@ -89,23 +108,24 @@ class RemoteCache:
         return mac.digest()
 
     def encode(self, key: str, torch_version: str, backend: str, artifact: bytes,
-               info: dict) -> bytes:
+               info: dict, prefix: str = PREFIX) -> bytes:
         header = json.dumps({"format": FORMAT, "torch": torch_version, "backend": backend,
                              "key": key, "size": len(artifact),
                              "sha256": hashlib.sha256(artifact).hexdigest(), "info": info},
                             sort_keys=True).encode()
-        tag = self._tag((PREFIX + key).encode(), header, artifact)
+        tag = self._tag((prefix + key).encode(), header, artifact)
         return MAGIC + struct.pack(">I", len(header)) + header + artifact + tag
 
-    def decode(self, key: str, torch_version: str, value: bytes) -> dict | None:
-        """The entry if it verifies, else None (counted as refused)."""
+    def decode(self, key: str, torch_version: str, value: bytes,
+               prefix: str = PREFIX) -> dict | None:
+        """The entry stored at ``prefix + key`` if it verifies, else None (counted as refused)."""
         try:
             if not value.startswith(MAGIC) or len(value) < len(MAGIC) + 4 + 32:
                 return self._refuse(key, "not an entry of this format")
             (n,) = struct.unpack(">I", value[len(MAGIC):len(MAGIC) + 4])
             start = len(MAGIC) + 4
             header, artifact, tag = (value[start:start + n], value[start + n:-32], value[-32:])
-            if not hmac.compare_digest(tag, self._tag((PREFIX + key).encode(), header,
+            if not hmac.compare_digest(tag, self._tag((prefix + key).encode(), header,
                                                       artifact)):
                 return self._refuse(key, "signature does not verify (another key, or altered)")
             meta = json.loads(header)
@@ -141,6 +161,31 @@ class RemoteCache:
         if done:
             STATS["published"] += 1
         return bool(done)
+
+    def get_plan(self, key: str, torch_version: str) -> tuple[int, ...] | None:
+        """The lifted positions published for ``key`` (Note [remote program plan]), or None."""
+        value = self._call("get", PLAN_PREFIX + key)
+        if value is None:
+            STATS["plan_misses"] += 1
+            return None
+        entry = self.decode(key, torch_version, value, PLAN_PREFIX)
+        if entry is None:
+            return None
+        try:
+            lifted = json.loads(entry["artifact"])["lifted"]
+            if not (isinstance(lifted, list)
+                    and all(type(i) is int and 0 <= i for i in lifted)):
+                raise ValueError("lifted is not a list of positions")
+        except Exception as err:  # signed by a holder of the secret, still never half-used
+            return self._refuse(key, f"plan malformed ({type(err).__name__}: {err})")
+        STATS["plan_hits"] += 1
+        return tuple(lifted)
+
+    def put_plan(self, key: str, torch_version: str, lifted: tuple[int, ...]) -> bool:
+        """Publish a program's plan (overwriting: the numbers seen to vary only grow)."""
+        artifact = json.dumps({"lifted": sorted(lifted)}).encode()
+        value = self.encode(key, torch_version, "plan", artifact, {}, PLAN_PREFIX)
+        return bool(self._call("set", PLAN_PREFIX + key, value))
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self.broken is not None:
@@ -199,8 +244,18 @@ def fetch_into(disk: Any, key: str, torch_version: str) -> bool:
     return True
 
 
-def publish_from(disk: Any, key: str, torch_version: str) -> None:
-    """After a compile here: the program, as the disk cache verified it, to the store."""
+def fetch_plan(plan_key: str, torch_version: str) -> tuple[int, ...] | None:
+    """The lifted positions another machine's program of this trace has, or None (Note
+    [remote program plan])."""
+    remote = from_env()
+    return None if remote is None else remote.get_plan(plan_key, torch_version)
+
+
+def publish_from(disk: Any, key: str, torch_version: str, plan_key: str = "",
+                 lifted: tuple[int, ...] = ()) -> None:
+    """After a compile here: the program, as the disk cache verified it, to the store, and
+    then its plan under ``plan_key`` (Note [remote program plan]): a reader that finds the
+    plan finds the program."""
     remote = from_env()
     if remote is None or disk is None:
         return
@@ -212,6 +267,8 @@ def publish_from(disk: Any, key: str, torch_version: str) -> None:
         return  # not stored, or it came from the store in the first place
     remote.put_program(key, torch_version, value.get("backend", ""), value["artifact"],
                        dict(value.get("info") or {}))
+    if plan_key and remote.broken is None:  # published now or by another machine before
+        remote.put_plan(plan_key, torch_version, lifted)
 
 
 def stats() -> dict[str, int]:
