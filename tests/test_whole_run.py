@@ -22,7 +22,7 @@ def test_quick_run_reports_every_mode(tmp_path: Path) -> None:
     assert sorted(rows) == sorted(W.MODES) and len(data["rows"]) == len(W.MODES)
     for mode, row in rows.items():
         assert row["status"] == "ok", (mode, row.get("error"), row.get("stderr_tail"))
-        assert row["steps"] == 3 and len(row["times_s"]) == 3
+        assert row["steps"] == 3 and len(row["times_s"]) == len(row["losses"]) == 3
         assert row["whole_s"] >= sum(row["times_s"]) and row["first_step_s"] == row["times_s"][0]
         assert row["load_before"] >= 0 and row["load_after"] >= 0
     for mode in ("engine", "engine_warm"):  # the engine was on, and counted the steps' flushes
@@ -59,19 +59,25 @@ def test_a_warm_mode_alone_gets_its_cold_run_as_a_primer() -> None:
 def test_results_unlike_eager_are_reported_not_raised() -> None:
     base = {"repeat": 0, "program": "tiny", "status": "ok", "state_checksum": 1.0,
             "whole_s": 1.0, "steady_s": 0.1}
-    rows = [{**base, "mode": "eager", "final_loss": 1.0},
-            {**base, "mode": "engine", "final_loss": 1.5},
-            {**base, "mode": "torch_compile", "final_loss": 1.0 + 1e-6},
-            {"repeat": 0, "program": "tiny", "mode": "engine_warm", "status": "error",
+
+    def run(mode: str, *losses: float) -> dict:
+        return {**base, "mode": mode, "losses": list(losses), "final_loss": losses[-1]}
+
+    rows = [run("eager", 1.0, 1.0, 1.0, 1.0), run("engine", 1.5, 1.0, 1.0, 1.5),
+            run("torch_compile", 1.0, 1.0, 1.0, 1.0 + 1e-6),
+            run("engine_warm", 1.0, 1.0, 1.0 + 1e-6, 1.2),
+            {"repeat": 0, "program": "tiny", "mode": "torch_compile_warm", "status": "error",
              "error": "RuntimeError: boom"}]
     W.check_results(rows, {"tiny": PROGRAMS["tiny"].rtol})
     assert rows[1]["vs_eager"] == "DIFFERS" and rows[2]["vs_eager"] == "ok"
-    assert "vs_eager" not in rows[3]
-    md = W.markdown({"steps": 3, "command": "c", "started": "d", "machine": {"git_commit": "x"},
+    assert rows[3]["vs_eager"] == "drift" and rows[3]["beyond_rtol_at"] == 4
+    assert "vs_eager" not in rows[4]
+    md = W.markdown({"steps": 4, "command": "c", "started": "d", "machine": {"git_commit": "x"},
                      "machine_line": "m", "compile_backend": "inductor", "threads": 1,
                      "threads_why": "t", "load_before": (1, 1, 1), "load_after": (1, 1, 1),
                      "wall_s": 1}, rows, ["tiny"])
-    assert "DIFFERS (3.3e-01)" in md and "RuntimeError: boom" in md
+    assert "DIFFERS (3.3e-01, from step 1)" in md and "drift (1.7e-01, from step 4)" in md
+    assert "RuntimeError: boom" in md
 
 
 def test_bad_program_name_is_one_clear_error(capsys) -> None:
