@@ -697,3 +697,32 @@ def test_read_only_cache_serves_reads(tmp_path: Path, other_user: tuple[int, int
     os.chmod(folder, 0o500)
     proc = as_other_user(other_user, ["-c", _READ_ONLY, str(folder)])
     assert proc.returncode == 0 and "served" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_another_users_link_as_the_cache_path_is_refused(tmp_path: Path,
+                                                         other_user: tuple[int, int]) -> None:
+    """The cache path itself is a link another user made (in /tmp, say), pointing at a folder
+    of the victim's own: refused, as links above it are, and nothing there is touched; the
+    victim's own link is followed."""
+    from adaptive_eager.cache import trust
+
+    own = tmp_path / "appcache"  # another program's data, diskcache's layout
+    (own / "ab").mkdir(parents=True, mode=0o700)
+    (own / "cache.db").write_text("precious")
+    (own / "ab" / "x.val").write_text("value")
+    link = tmp_path / "cache"
+    os.symlink(own, link)
+    os.chown(link, *other_user, follow_symlinks=False)
+    with pytest.raises(trust.Untrusted, match="symlink owned by uid"):
+        trust.check_root(link)
+    ae.reset_metrics()
+    x = torch.arange(4.0)
+    with ae.adaptive_eager(cache_dir=str(link), hot_after=2, compile_async=False):
+        got = [(x * i).sum().item() for i in range(6)]
+    assert got == [(x * i).sum().item() for i in range(6)]
+    assert ae.metrics()["disk_errors"] >= 1
+    assert sorted(p.name for p in own.rglob("*")) == ["ab", "cache.db", "x.val"]
+    assert (own / "cache.db").read_text() == "precious"
+    mine = tmp_path / "mine"
+    os.symlink(own, mine)  # the user's own link: followed
+    assert trust.check_root(mine, create=False) == own.resolve()

@@ -94,6 +94,9 @@ def check_root(path: str | Path, create: bool = True) -> Path:
         _mkdirs_private(lexical)
     for p in _prefixes(lexical):  # as written: links on the way must be the user's or root's
         _check_ancestor(p, os.lstat(p))
+    last = os.lstat(lexical)
+    if stat.S_ISLNK(last.st_mode):  # the path itself: another user's link would pick the folder
+        _check_ancestor(lexical, last)
     real = os.path.realpath(lexical)
     for p in _prefixes(real):
         _check_ancestor(p, os.lstat(p))
