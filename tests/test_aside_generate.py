@@ -248,9 +248,18 @@ def test_trial_over_root_calls_switches_hook_kinds(monkeypatch: pytest.MonkeyPat
     """A trial without an optimizer alternates engine rounds (global tick hooks) and eager rounds
     (root hooks only): each switch, at the start of a root call, keeps the count of rounds (the
     sides alternate call by call) and results are eager's. Which side wins is test_aside.py's
-    business (timed there with sleeps); here either verdict leaves consistent hooks."""
+    business (timed there on a test clock); here either verdict leaves consistent hooks."""
+    from adaptive_eager import aside
     from adaptive_eager.aside import TRIAL_TICKS
 
+    class SteadyClock:  # every round lasts the same: no verdict is clear early (Note [clear trials])
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += 0.001
+            return self.now
+
+    monkeypatch.setattr(aside, "time", SteadyClock())
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
     during: list[tuple[str, str | None]] = []  # (side, tick hooks' kind) inside each root call
 
