@@ -252,7 +252,7 @@ def test_trial_over_root_calls_switches_hook_kinds(monkeypatch: pytest.MonkeyPat
     from adaptive_eager import aside
     from adaptive_eager.aside import TRIAL_TICKS
 
-    class SteadyClock:  # every round lasts the same: no verdict is clear early (Note [clear trials])
+    class SteadyClock:  # rounds all alike: no verdict is clear early (Note [clear trials])
         now = 0.0
 
         def perf_counter(self) -> float:
