@@ -44,6 +44,9 @@ import time
 import traceback
 from typing import IO, Any
 
+from adaptive_eager.cache import pins
+from adaptive_eager.isolation import child_env, isolate_vec_isa_probe, private_cwd
+
 log = logging.getLogger("adaptive_eager")
 
 _HEADER = struct.Struct("<Q")
@@ -280,7 +283,6 @@ class CompileProcess:
             return proc
         if proc is not None:
             raise HelperFailed(f"the helper exited with status {proc.returncode}")
-        from adaptive_eager.isolation import child_env, private_cwd
 
         # Note [isolated subprocesses]: -I, a private working folder, the allow-listed variables
         self._proc = subprocess.Popen(
@@ -419,8 +421,6 @@ def fast_vec_isa_pick() -> None:
     import torch._inductor.cpu_vec_isa as isa_mod
     from torch._inductor import config as inductor_config
 
-    from adaptive_eager.isolation import isolate_vec_isa_probe
-
     isolate_vec_isa_probe()  # Note [isolated subprocesses]: before any probe can run
     if getattr(isa_mod, "_ae_fast_pick", False):
         return
@@ -491,7 +491,6 @@ def warm_up(kernel_dir: str | None, graph: bool = True,
             return (x * 2.0 + 1.0).relu()
 
         from adaptive_eager.backends.inductor import chosen_kernel_dir
-        from adaptive_eager.cache import pins
 
         gm = torch.fx.symbolic_trace(tiny)
         with torch.no_grad(), pins.compiling(chosen_kernel_dir()):

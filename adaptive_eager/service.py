@@ -74,7 +74,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adaptive_eager.cache import trust
+from adaptive_eager.cache import pins, trust
+from adaptive_eager.isolation import child_env, env_digest
 
 log = logging.getLogger("adaptive_eager")
 
@@ -144,7 +145,6 @@ def _code_identity() -> str:
 def identity() -> str:
     """Who a service serves (Note [service identity]): this package's code and interpreter, and
     the environment its compiles run in (as the program's is now)."""
-    from adaptive_eager.isolation import env_digest
 
     h = hashlib.blake2b(f"{_code_identity()}\0{env_digest()}".encode(), digest_size=8)
     return h.hexdigest()
@@ -256,7 +256,6 @@ def _spawn(cache_dir: Path, folder: Path, idle_s: float | None,
     """Start a service, detached (it forks once more at once, so it is nobody's child here),
     isolated (Note [isolated subprocesses]): only the allow-listed variables, which its
     identity names, and the private service folder as its working folder."""
-    from adaptive_eager.isolation import child_env
 
     fd = trust.open_private(folder, LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
@@ -343,8 +342,6 @@ class _Helper:
 
     def __init__(self, service: Service) -> None:
         from adaptive_eager.compile_process import helper_command
-
-        from adaptive_eager.isolation import child_env
 
         self.service = service
         self.proc = subprocess.Popen(  # Note [isolated subprocesses]
@@ -469,7 +466,6 @@ class Service:
 
     def headers_fit(self) -> bool | None:
         """Whether warm-up may build precompiled headers (Note [kernel pins])."""
-        from adaptive_eager.cache import pins
 
         return None if not self.size_limit else self.size_limit >= pins.PCH_MIN_LIMIT
 

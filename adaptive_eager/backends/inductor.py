@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from adaptive_eager.cache import pins
+from adaptive_eager.isolation import isolate_vec_isa_probe
+
 log = logging.getLogger("adaptive_eager")
 
 _kernel_dir: str | None = None  # where this process points Inductor (None: not chosen yet)
@@ -72,8 +75,6 @@ class InductorBackend:
         import time
 
         from adaptive_eager.cache import trust
-
-        from adaptive_eager.cache import pins
 
         ensure_kernel_dir()
         start = time.time()
@@ -120,8 +121,6 @@ class InductorBackend:
 
     def load(self, data: bytes, graph: Any) -> Any:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
-
-        from adaptive_eager.cache import pins
 
         ensure_kernel_dir()
         key = _build_key()
@@ -512,7 +511,6 @@ def use_kernel_dir(path: str, precompiled_headers: bool | None = None) -> None:
 def headers_fit(path: str) -> bool | None:
     """Whether the size limit of the cache that owns kernel folder ``path`` holds precompiled
     headers (None: no cache of this process owns it)."""
-    from adaptive_eager.cache import pins
     from adaptive_eager.cache.disk import KERNEL_DIR_LIMITS
 
     limit = KERNEL_DIR_LIMITS.get(path)
@@ -560,9 +558,6 @@ def ensure_kernel_dir() -> None:
     [kernel pins]) and the isolated VecISA probe (Note [isolated subprocesses])."""
     path = chosen_kernel_dir()
     import torch._inductor.codecache as codecache
-
-    from adaptive_eager.cache import pins
-    from adaptive_eager.isolation import isolate_vec_isa_probe
 
     _point_headers(codecache, path)
     set_precompiled_headers(_headers_fit)
