@@ -13,12 +13,15 @@ already built in the shared Inductor cache folder, so loading runs no compiler).
 The helper is ``python -I`` running adaptive_eager.compile_helper: started at the first compile,
 with ``ADAPTIVE_EAGER=0`` so the engine is not switched on inside it, serving one compile at a
 time, and exiting quietly when its stdin closes or its parent is gone (no traceback, also not for
-Ctrl-C, which the parent handles). Isolated mode (``-I``) keeps the working folder, PYTHON*
-variables and the user site off ``sys.path``: a module planted in a world-writable working folder
-is never imported. The package itself is loaded from the folder this process loaded it from (the
-bootstrap below), everything else from the interpreter's own paths, so a backend object must come
-from an installed package (one defined in the script is "unusable" there and compiles here). The
-helper compiles into the same Inductor kernel folder as this process (sent with each request). It runs at ``HELPER_NICE``: where no
+Ctrl-C, which the parent handles). It runs isolated (Note [isolated subprocesses] in
+isolation.py): ``-I`` keeps the working folder, PYTHON* variables and the user site off
+``sys.path``, its working folder is a private one (Inductor's own children inherit it), and it
+gets only the allow-listed variables: a module planted in a world-writable working folder is
+never imported, by it or by the probes Inductor starts in it. The package itself is loaded from
+the folder this process loaded it from (the bootstrap below), everything else from the
+interpreter's own paths, so a backend object must come from an installed package (one defined in
+the script is "unusable" there and compiles here). The helper compiles into the same Inductor
+kernel folder as this process (sent with each request). It runs at ``HELPER_NICE``: where no
 core is idle the program keeps a slight priority. A backend opts in with
 ``separate_process = True``. A compile that fails in the helper fails as it would here (the trace
 stays op by op); a helper that cannot start, dies or answers garbage is counted
@@ -41,6 +44,9 @@ import time
 import traceback
 from typing import IO, Any
 
+from adaptive_eager.cache import pins
+from adaptive_eager.isolation import child_env, isolate_vec_isa_probe, private_cwd
+
 log = logging.getLogger("adaptive_eager")
 
 _HEADER = struct.Struct("<Q")
@@ -57,7 +63,57 @@ class HelperFailed(RuntimeError):
 
 
 class CompileFailed(RuntimeError):
-    """The backend raised inside the helper; the message carries its type and text."""
+    """The backend raised inside the helper; the message carries its type and text.
+    ``transient``: the helper judged it to depend on the environment or on files (Note
+    [transient compile failures]), so a later process tries again."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+# Note [transient compile failures]
+# A stored failure keeps a trace op by op in every later process, so only a failure that the same
+# graph would meet again anywhere may be stored as permanent: one the graph itself causes
+# (lowering, an unsupported op, a shape error). A failure that depends on the machine is
+# transient: the C++ compiler missing, refusing or failing (a compiler from another program's
+# environment, ``CXX=/bin/false``; a precompiled header or kernel file removed under a warm
+# helper by the size limit), any OS error (a file gone, a full disk), a subprocess that failed
+# or timed out, memory, a killed or vanished helper. ``failure_is_transient`` walks the
+# exception and its causes (Inductor wraps the compiler's error) and decides by type first,
+# then by the marks such errors leave in a message that crossed a process boundary as text. A
+# deterministic C++ code generation bug is classed transient too: it costs a few retries
+# (``TRANSIENT_RETRIES`` in compiler.py), never a trace lost for good to a passing fault.
+_TRANSIENT_TYPES = ("CppCompileError", "InvalidCxxCompiler", "CalledProcessError",
+                    "TimeoutExpired", "SubprocessError", "BrokenPipeError")
+_TRANSIENT_MARKS = ("OSError", "No space left", "Errno", "TimeoutError", "MemoryError",
+                    "Killed", "BrokenPipe", "Cannot allocate memory", "CppCompileError",
+                    "InvalidCxxCompiler", "C++ compile error", "CalledProcessError",
+                    "FileNotFoundError", "No such file or directory", "HelperFailed")
+
+
+def failure_is_transient(err: BaseException) -> bool:
+    """Whether a compile failure may not recur elsewhere (Note [transient compile failures])."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen or len(seen) > 32:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CompileFailed):
+            if e.transient:
+                return True
+        elif isinstance(e, (OSError, TimeoutError, MemoryError, HelperFailed,
+                            subprocess.SubprocessError)):
+            return True
+        if any(type(e).__name__ == name or any(c.__name__ == name for c in type(e).__mro__)
+               for name in _TRANSIENT_TYPES):
+            return True
+        if not isinstance(e, CompileFailed) and any(m in str(e) for m in _TRANSIENT_MARKS):
+            return True
+        stack += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
+    return False
 
 
 def _write(stream: IO[bytes], obj: Any) -> None:
@@ -102,7 +158,7 @@ def _flags(state: tuple | None = None) -> dict[str, Any]:
     who asks (code fingerprint, torch build: a helper of other code refuses the request)."""
     import torch
 
-    from adaptive_eager.backends.inductor import chosen_kernel_dir
+    from adaptive_eager.backends.inductor import chosen_kernel_dir, headers_fit
     from adaptive_eager.dispatch import ambient
     from adaptive_eager.program_key import code_fingerprint, torch_build
 
@@ -116,7 +172,9 @@ def _flags(state: tuple | None = None) -> dict[str, Any]:
             "default_dtype": named.get("default_dtype",
                                        str(torch.get_default_dtype()).removeprefix("torch.")),
             "state": state, "code": code_fingerprint(), "torch": torch_build(),
-            "inductor_cache": chosen_kernel_dir()}
+            "inductor_cache": chosen_kernel_dir(),
+            # whether the cache's size limit holds precompiled headers (Note [kernel pins])
+            "precompiled_headers": headers_fit(chosen_kernel_dir())}
 
 
 def _foreign(flags: dict[str, Any]) -> str | None:
@@ -144,7 +202,7 @@ def _apply_flags(flags: dict[str, Any]) -> None:
         torch.set_default_dtype(dtype)
     ambient.apply(flags.get("state") or ())
     if flags["inductor_cache"]:
-        use_kernel_dir(flags["inductor_cache"])
+        use_kernel_dir(flags["inductor_cache"], flags.get("precompiled_headers"))
 
 
 # The first lines of a helper or of the compile service, run by ``python -I -c``: adaptive_eager
@@ -215,7 +273,7 @@ class CompileProcess:
 
             METRICS.helper_errors += 1
             raise HelperFailed(f"the helper could not take this compile: {payload}")
-        raise CompileFailed(payload)
+        raise CompileFailed(payload, transient=status != "error")
 
     def _ensure(self) -> subprocess.Popen:
         if self._pid != os.getpid():
@@ -225,11 +283,12 @@ class CompileProcess:
             return proc
         if proc is not None:
             raise HelperFailed(f"the helper exited with status {proc.returncode}")
-        env = dict(os.environ)
-        env["ADAPTIVE_EAGER"] = "0"  # the helper must not switch the engine on for itself
+
+        # Note [isolated subprocesses]: -I, a private working folder, the allow-listed variables
         self._proc = subprocess.Popen(
             helper_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-            env=env, close_fds=True, start_new_session=True)  # Ctrl-C is the parent's
+            env=child_env(), cwd=private_cwd(), close_fds=True,
+            start_new_session=True)  # Ctrl-C is the parent's
         return self._proc
 
     def _give_up(self, why: str) -> None:
@@ -259,6 +318,10 @@ class CompileProcess:
             proc.wait(timeout=5)
         except Exception:
             proc.kill()
+            try:
+                proc.wait(timeout=5)  # reaped, not left a zombie of this program
+            except Exception:
+                pass
 
 
 HELPER = CompileProcess()
@@ -327,7 +390,8 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
             answer = ("ok", backend.serialize(program), time.perf_counter() - start)
         except Exception as err:
             detail = "".join(traceback.format_exception_only(type(err), err)).strip()
-            answer = ("error", detail[-2000:], time.perf_counter() - start)
+            status = "transient" if failure_is_transient(err) else "error"
+            answer = (status, detail[-2000:], time.perf_counter() - start)
         _write(out, answer)
 
 
@@ -357,6 +421,7 @@ def fast_vec_isa_pick() -> None:
     import torch._inductor.cpu_vec_isa as isa_mod
     from torch._inductor import config as inductor_config
 
+    isolate_vec_isa_probe()  # Note [isolated subprocesses]: before any probe can run
     if getattr(isa_mod, "_ae_fast_pick", False):
         return
     isa_mod._ae_fast_pick = True
@@ -384,7 +449,8 @@ def fast_vec_isa_pick() -> None:
     isa_mod.valid_vec_isa_list = first_valid
 
 
-def warm_up(kernel_dir: str | None, graph: bool = True) -> tuple[str, str, float]:
+def warm_up(kernel_dir: str | None, graph: bool = True,
+            precompiled_headers: bool | None = None) -> tuple[str, str, float]:
     """Import Inductor, pick the VecISA and compile one tiny graph (into ``kernel_dir``), so the
     first real request starts where a later one would (Note [helper warm-up]). The detail says
     where the seconds went."""
@@ -404,7 +470,7 @@ def warm_up(kernel_dir: str | None, graph: bool = True) -> tuple[str, str, float
         from adaptive_eager.backends.inductor import ensure_kernel_dir, use_kernel_dir
 
         if kernel_dir:
-            use_kernel_dir(kernel_dir)
+            use_kernel_dir(kernel_dir, precompiled_headers)
         import torch._dynamo  # noqa: F401  (Note [compile worker]: dynamo first)
 
         lap("dynamo")
@@ -424,8 +490,10 @@ def warm_up(kernel_dir: str | None, graph: bool = True) -> tuple[str, str, float
         def tiny(x: torch.Tensor) -> torch.Tensor:
             return (x * 2.0 + 1.0).relu()
 
+        from adaptive_eager.backends.inductor import chosen_kernel_dir
+
         gm = torch.fx.symbolic_trace(tiny)
-        with torch.no_grad():
+        with torch.no_grad(), pins.compiling(chosen_kernel_dir()):
             torch._inductor.standalone_compile(gm, [torch.zeros(8)],
                                                dynamic_shapes="from_example_inputs", aot=True)
         lap("first graph")

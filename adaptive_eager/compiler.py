@@ -89,7 +89,8 @@ from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
 from adaptive_eager.config import Options
-from adaptive_eager.compile_process import HELPER, CompileFailed, HelperFailed, request_bytes
+from adaptive_eager.compile_process import (HELPER, CompileFailed, HelperFailed,
+                                            failure_is_transient, request_bytes)
 from adaptive_eager import service as service_mod
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.program_key import program_key  # Note [program key]
@@ -701,13 +702,9 @@ class _CheckedSize:
 
 
 def _transient(err: BaseException) -> bool:
-    """A failure a later process may not see (Note [persisted decisions])."""
-    if isinstance(err, (OSError, TimeoutError, MemoryError, HelperFailed)):
-        return True
-    text = str(err)
-    return any(mark in text for mark in (
-        "OSError", "No space left", "Errno", "TimeoutError", "MemoryError", "Killed",
-        "BrokenPipe", "Cannot allocate memory"))
+    """A failure a later process may not see (Note [persisted decisions], Note [transient
+    compile failures] in compile_process.py)."""
+    return failure_is_transient(err)
 
 
 def _combine(samples: list[dict]) -> tuple[bool, float]:
@@ -1358,7 +1355,7 @@ class CompileManager:
             self._store(entry, g, None, seconds, data, stored=bool(header.get("stored")))
             return self._load_compiled(data, g, entry), seconds
         if status == "error":
-            raise CompileFailed(str(header.get("error", "")))
+            raise CompileFailed(str(header.get("error", "")), bool(header.get("transient")))
         # unusable here, or its helper died: this compile goes to a helper of ours
         M.helper_errors += 1
         log.info("adaptive_eager: the compile service could not compile trace %s (%s: %s); "

@@ -33,7 +33,11 @@ with theirs. A service started by an older install (its code predating the defau
 compile requests) fused a newer client's float64 program in float32 and stored it under the
 client's key; later runs loaded it from disk. So a service answers only clients of its own
 code: its socket and lock are named for ``identity()`` (the package's code fingerprint, Note
-[program key], with the Python executable the service runs), ``<cache>/service/sock-<id>``. A
+[program key], with the Python executable the service runs, and the digest of the variables its
+compiles run under, Note [isolated subprocesses] in isolation.py: a service started by a program
+with ``CXX=/bin/false`` failed every other program's compiles), ``<cache>/service/sock-<id>``.
+The service and its helpers get only those variables, so a client reaches a service whose
+compiler settings are its own, whoever started it. A
 client of other code (another install, an upgraded checkout, another interpreter) finds no
 socket of its identity and starts a service of its own beside the old one, which exits when
 idle. Each compile request also names the client's fingerprint: a service of other code answers
@@ -70,7 +74,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adaptive_eager.cache import trust
+from adaptive_eager.cache import pins, trust
+from adaptive_eager.isolation import child_env, env_digest
 
 log = logging.getLogger("adaptive_eager")
 
@@ -131,12 +136,17 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 @functools.cache
-def identity() -> str:
-    """Who a service serves (Note [service identity]): this package's code and interpreter."""
+def _code_identity() -> str:
     from adaptive_eager.program_key import code_fingerprint
 
-    h = hashlib.blake2b(f"{code_fingerprint()}\0{sys.executable}\0{sys.version}".encode(),
-                        digest_size=8)
+    return f"{code_fingerprint()}\0{sys.executable}\0{sys.version}"
+
+
+def identity() -> str:
+    """Who a service serves (Note [service identity]): this package's code and interpreter, and
+    the environment its compiles run in (as the program's is now)."""
+
+    h = hashlib.blake2b(f"{_code_identity()}\0{env_digest()}".encode(), digest_size=8)
     return h.hexdigest()
 
 
@@ -172,7 +182,7 @@ def _code() -> str:
 
 # ---- the client ---------------------------------------------------------------------------------
 def connect(cache_dir: Path, start: bool = True, idle_s: float | None = None,
-            timeout: float = START_TIMEOUT_S) -> socket.socket:
+            timeout: float = START_TIMEOUT_S, size_limit: int | None = None) -> socket.socket:
     """A connection to the service of ``cache_dir``; starts it if none listens (and ``start``).
     Raises ServiceUnavailable."""
     try:
@@ -189,7 +199,7 @@ def connect(cache_dir: Path, start: bool = True, idle_s: float | None = None,
             if not start:
                 raise ServiceUnavailable(f"no compile service running ({err})") from None
             if not started:
-                _spawn(cache_dir, folder, idle_s)
+                _spawn(cache_dir, folder, idle_s, size_limit)
                 started = True
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(f"the compile service did not start within "
@@ -222,11 +232,15 @@ def _connect_once(folder: Path) -> socket.socket:
     return sock
 
 
-def service_command(cache_dir: Path, idle_s: float | None) -> list[str]:
+def service_command(cache_dir: Path, idle_s: float | None,
+                    size_limit: int | None = None) -> list[str]:
+    """argv of a service: the cache folder, the idle timeout and the size limit of the program
+    that starts it (its helpers warm up with precompiled headers only where they fit)."""
     from adaptive_eager.compile_process import boot_command
 
     return boot_command("adaptive_eager.service", "main",
-                        [str(cache_dir), str(idle_s if idle_s is not None else idle_default())])
+                        [str(cache_dir), str(idle_s if idle_s is not None else idle_default()),
+                         str(int(size_limit) if size_limit else 0)])
 
 
 def idle_default() -> float:
@@ -237,15 +251,18 @@ def idle_default() -> float:
         return DEFAULT_IDLE_S
 
 
-def _spawn(cache_dir: Path, folder: Path, idle_s: float | None) -> None:
-    """Start a service, detached (it forks once more at once, so it is nobody's child here)."""
-    env = dict(os.environ)
-    env["ADAPTIVE_EAGER"] = "0"
+def _spawn(cache_dir: Path, folder: Path, idle_s: float | None,
+           size_limit: int | None) -> None:
+    """Start a service, detached (it forks once more at once, so it is nobody's child here),
+    isolated (Note [isolated subprocesses]): only the allow-listed variables, which its
+    identity names, and the private service folder as its working folder."""
+
     fd = trust.open_private(folder, LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        proc = subprocess.Popen(service_command(cache_dir, idle_s), stdin=subprocess.DEVNULL,
-                                stdout=fd, stderr=fd, env=env, close_fds=True,
-                                start_new_session=True, cwd="/")
+        proc = subprocess.Popen(service_command(cache_dir, idle_s, size_limit),
+                                stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
+                                env=child_env(shared=True), close_fds=True,
+                                start_new_session=True, cwd=folder)
     finally:
         os.close(fd)
     try:
@@ -257,7 +274,9 @@ def _spawn(cache_dir: Path, folder: Path, idle_s: float | None) -> None:
 def request(cache_dir: Path, header: dict, payload: bytes = b"", start: bool = True,
             idle_s: float | None = None) -> socket.socket:
     """Send one request; returns the connection to read its answer from (``recv_msg``)."""
-    sock = connect(cache_dir, start=start, idle_s=idle_s)
+    limit = header.get("size_limit")
+    sock = connect(cache_dir, start=start, idle_s=idle_s,
+                   size_limit=limit if isinstance(limit, int) else None)
     try:
         send_msg(sock, {"protocol": PROTOCOL, "code": _code(), **header}, payload)
     except OSError as err:
@@ -325,9 +344,10 @@ class _Helper:
         from adaptive_eager.compile_process import helper_command
 
         self.service = service
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # Note [isolated subprocesses]
             helper_command(nice=SERVICE_HELPER_NICE), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=None, close_fds=True, cwd="/")
+            stdout=subprocess.PIPE, stderr=None, close_fds=True, env=child_env(shared=True),
+            cwd=service.folder)
         self.thread = threading.Thread(target=self.loop, daemon=True)
         self.thread.start()
 
@@ -352,8 +372,13 @@ class _Helper:
                 svc.warming -= 1
                 svc.last_activity = time.monotonic()
         while True:
-            job = svc.next_job()
+            job = svc.next_job(self)
             if job is None:
+                svc.helper_gone(self)  # stopping, or this helper died while idle
+                return
+            if self.proc.poll() is not None:  # died before taking it: the job waits for another
+                svc.requeue(job)
+                svc.helper_gone(self)
                 return
             start = time.monotonic()
             try:
@@ -365,6 +390,10 @@ class _Helper:
                 return
             if status == "ok":
                 svc.finish(job, {"status": "ok", "compile_s": seconds}, payload, start)
+            elif status in ("error", "transient"):  # Note [transient compile failures]
+                svc.finish(job, {"status": "error", "transient": status == "transient",
+                                 "error": str(payload)[-2000:], "compile_s": seconds}, b"",
+                           start)
             else:
                 svc.finish(job, {"status": status, "error": str(payload)[-2000:],
                                  "compile_s": seconds}, b"", start)
@@ -375,24 +404,27 @@ class _Helper:
         import pickle
 
         kernels = self.service.kernel_dir()
-        status, detail, seconds = self.send_raw(pickle.dumps(("warm_up", kernels, False)))
+        pch = self.service.headers_fit()
+        status, detail, seconds = self.send_raw(pickle.dumps(("warm_up", kernels, False, pch)))
         with self.service.cond:
             idle = not self.service.queue
         if idle and status == "ok":  # Inductor's first-graph set-up (precompiled header too),
             # unless a real compile is waiting: that one pays it with no tiny kernel first
-            status, more, extra = self.send_raw(pickle.dumps(("warm_up", kernels, True)))
+            status, more, extra = self.send_raw(pickle.dumps(("warm_up", kernels, True, pch)))
             detail, seconds = f"{detail}, {more.split(', ')[-1]}", seconds + extra
         self.service.note(f"helper {self.proc.pid} warmed up in {seconds:.1f}s ({status}: "
                           f"{str(detail)[:300]})")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Close its pipes and reap it (killed if it does not exit within ``timeout``)."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()
+            except OSError:
+                pass
         try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -402,10 +434,11 @@ SERVICE_HELPER_NICE = 0  # Note [helper warm-up]: a program usually waits for th
 
 
 class Service:
-    def __init__(self, cache_dir: Path, idle_s: float) -> None:
+    def __init__(self, cache_dir: Path, idle_s: float, size_limit: int = 0) -> None:
         self.cache_dir = trust.check_root(cache_dir, create=True)
         self.folder = service_dir(self.cache_dir)
         self.idle_s = idle_s
+        self.size_limit = size_limit  # of the program that started it (0: unknown)
         self.cond = threading.Condition()
         self.queue: collections.deque[_Job] = collections.deque()
         self.jobs: dict[str, _Job] = {}
@@ -427,15 +460,14 @@ class Service:
             pass
 
     def kernel_dir(self) -> str:
-        """Where Inductor's kernels go: as the engine chooses them (Note [Inductor kernel
-        folder]); each compile request carries its own choice anyway."""
-        chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        if chosen:
-            try:
-                return str(trust.check_root(chosen, create=True))
-            except (OSError, trust.Untrusted):
-                pass
+        """Where warm-up puts Inductor's kernels: the cache's own folder (Note [Inductor kernel
+        folder]); each compile request carries its client's choice."""
         return str(trust.private_subdir(self.cache_dir, "inductor"))
+
+    def headers_fit(self) -> bool | None:
+        """Whether warm-up may build precompiled headers (Note [kernel pins])."""
+
+        return None if not self.size_limit else self.size_limit >= pins.PCH_MIN_LIMIT
 
     def disk(self, size_limit: int) -> Any:
         with self._disk_lock:
@@ -485,14 +517,24 @@ class Service:
         except Exception as err:
             self.note(f"cannot start a compile helper: {err}")
 
-    def next_job(self) -> _Job | None:
+    def next_job(self, helper: _Helper) -> _Job | None:
+        """The next queued job for ``helper``; None when stopping or the helper died idle."""
         with self.cond:
             while not self.queue and not self.stopping:
+                if helper.proc.poll() is not None:
+                    return None
                 self.cond.wait(1.0)
             if self.stopping:
                 return None
             self.busy += 1
             return self.queue.popleft()
+
+    def requeue(self, job: _Job) -> None:
+        """A job taken by a helper that had died: first in line again."""
+        with self.cond:
+            self.busy -= 1
+            self.queue.appendleft(job)
+            self.cond.notify_all()
 
     def finish(self, job: _Job, answer: dict, data: bytes, start: float) -> None:
         answer["queued_s"] = round(start - job.queued_at, 4)
@@ -522,11 +564,17 @@ class Service:
             self.cond.notify_all()
 
     def helper_gone(self, helper: _Helper) -> None:
+        """A helper that died or is told to stop: reaped (no zombie stays), replaced if work
+        waits."""
         with self.cond:
-            if helper in self.helpers:
+            known = helper in self.helpers
+            if known:
                 self.helpers.remove(helper)
+            if known and helper.proc.poll() is not None:
+                self.note(f"helper {helper.proc.pid} exited ({helper.proc.returncode})")
             if self.queue and not self.stopping:
                 self.start_helper()
+        helper.close(timeout=1.0 if helper.proc.poll() is None else 5.0)
 
     # ---- connections -------------------------------------------------------------------------
     def handle(self, conn: socket.socket) -> None:
@@ -610,12 +658,13 @@ def main() -> None:
     """``python -I -c <boot> adaptive_eager.service main CACHE IDLE``: become the service."""
     args = sys.argv[5:]
     cache_dir, idle_s = Path(args[0]), float(args[1])
+    size_limit = int(args[2]) if len(args) > 2 and args[2].isdigit() else 0
     identity()  # of the code loaded now (Note [service identity])
     if os.fork():  # detach: the starter reaps this one at once; the service is init's child
         os._exit(0)
     os.setsid() if os.getsid(0) != os.getpid() else None
     try:
-        svc = Service(cache_dir, idle_s)
+        svc = Service(cache_dir, idle_s, size_limit)
     except (OSError, trust.Untrusted) as err:
         sys.stderr.write(f"adaptive_eager service: refusing {cache_dir}: {err}\n")
         os._exit(1)

@@ -14,7 +14,8 @@ user can create it first. And ``import torch._dynamo`` (any torch.optim optimize
 set does not mean the user chose it. A value counts as the user's choice when it differs from
 torch's default or was already set when torch was imported (adaptive_eager_autoload records it);
 it is used only if it passes the trust rule, else a warning names it and the private folder is
-used. Torch reads the variable on every ``cache_dir()`` call; precompiled headers use a path fixed
+used. Torch reads the variable on every ``cache_dir()`` call; precompiled headers (used only where
+the cache's size limit holds them: Note [kernel pins]) use a path fixed
 at import from the default (``codecache._HEADER_DIR``), which is pointed into the same folder. The
 helper process gets the folder with each request. Without a disk cache (or before one is open),
 a compile uses a private temporary folder of this process. Artifacts are specific to one torch build: the build's key is
@@ -29,6 +30,9 @@ import tempfile
 from typing import Any
 
 import torch
+
+from adaptive_eager.cache import pins
+from adaptive_eager.isolation import isolate_vec_isa_probe
 
 log = logging.getLogger("adaptive_eager")
 
@@ -74,7 +78,9 @@ class InductorBackend:
 
         ensure_kernel_dir()
         start = time.time()
-        with _num_threads(self.threads), torch.no_grad():  # no_grad: autograd ran above us
+        with _num_threads(self.threads), torch.no_grad(), \
+                pins.compiling(chosen_kernel_dir()):  # Note [kernel pins]; no_grad: autograd
+            # ran above us
             if getattr(graph, "dynamic", None):  # Note [symbolic programs] in graph.py
                 fakes = _fake_dynamic(graph)
                 _not_specialized(fakes, "propagating shapes")
@@ -121,7 +127,8 @@ class InductorBackend:
         if not data.startswith(key):
             raise ValueError("artifact was compiled by another torch build")
         guards, rest = unpack_guards(memoryview(data)[len(key):])
-        program = AOTCompiledArtifact.deserialize(bytes(rest))
+        with pins.compiling(chosen_kernel_dir()):  # evicted kernels are rebuilt here
+            program = AOTCompiledArtifact.deserialize(bytes(rest))
         program.ae_shape_guards = guards
         return program
 
@@ -485,16 +492,43 @@ def _temporary_dir() -> str:
     return path
 
 
-def use_kernel_dir(path: str) -> None:
-    """Point Inductor (the variable and the paths it fixed at import) at ``path``."""
-    global _kernel_dir
+def use_kernel_dir(path: str, precompiled_headers: bool | None = None) -> None:
+    """Point Inductor (the variable and the paths it fixed at import) at ``path``; with
+    precompiled headers where its cache's size limit holds them (``precompiled_headers``: the
+    requester's choice, in a helper; Note [kernel pins])."""
+    global _kernel_dir, _headers_fit
     _kernel_dir = path
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    _headers_fit = headers_fit(path) if precompiled_headers is None else precompiled_headers
     import sys
 
     codecache = sys.modules.get("torch._inductor.codecache")
     if codecache is not None:
         _point_headers(codecache, path)
+        set_precompiled_headers(_headers_fit)
+
+
+def headers_fit(path: str) -> bool | None:
+    """Whether the size limit of the cache that owns kernel folder ``path`` holds precompiled
+    headers (None: no cache of this process owns it)."""
+    from adaptive_eager.cache.disk import KERNEL_DIR_LIMITS
+
+    limit = KERNEL_DIR_LIMITS.get(path)
+    return None if limit is None else limit >= pins.PCH_MIN_LIMIT
+
+
+_PCH_DEFAULT: bool | None = None  # Inductor's own setting, before this process changed it
+_headers_fit: bool | None = None  # of the chosen kernel folder (applied once Inductor loads)
+
+
+def set_precompiled_headers(fit: bool | None) -> None:
+    """Inductor's precompiled headers off where they do not fit (None, True: its own setting)."""
+    global _PCH_DEFAULT
+    from torch._inductor import config as inductor_config
+
+    if _PCH_DEFAULT is None:
+        _PCH_DEFAULT = bool(inductor_config.cpp_cache_precompile_headers)
+    inductor_config.cpp_cache_precompile_headers = _PCH_DEFAULT and fit is not False
 
 
 def _point_headers(codecache: Any, path: str) -> None:
@@ -520,8 +554,12 @@ def chosen_kernel_dir() -> str:
 
 
 def ensure_kernel_dir() -> None:
-    """Before Inductor compiles or loads anything."""
+    """Before Inductor compiles or loads anything: its folder, this process's pin on it (Note
+    [kernel pins]) and the isolated VecISA probe (Note [isolated subprocesses])."""
     path = chosen_kernel_dir()
     import torch._inductor.codecache as codecache
 
     _point_headers(codecache, path)
+    set_precompiled_headers(_headers_fit)
+    pins.pin(path)
+    isolate_vec_isa_probe()

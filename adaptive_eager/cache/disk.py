@@ -18,10 +18,16 @@ they are counted and their files collected.
 
 Note [cache size]
 ``cache_size_mb`` bounds everything the folder holds: the database, the run logs and Inductor's
-kernels in ``<dir>/inductor``. At open and after storing a program the folder is measured (the
-kernel folder at most once a minute, one walk without following links) and the least recently
-used programs and kernel subfolders are evicted until it fits. A corrupt database is moved aside
-(``cache.sqlite.corrupt``) and rebuilt; a folder this user cannot write is served read-only.
+kernels in ``<dir>/inductor``. At open and after every program stored (by this process or by
+the compile service) the folder is measured again (one walk without following links: a compile
+writes its kernels before its program is stored) and the least recently used programs and kernel
+subfolders are evicted until it fits. Eviction never removes what a live process relies on
+(Note [kernel pins] in pins.py): precompiled headers and Inductor's locks while any process
+uses the folder, kernels written since a compile in flight began. A folder whose limit cannot
+hold precompiled headers (``pins.PCH_MIN_LIMIT``) compiles without them. Evicted kernels of a
+program still stored are rebuilt from the program's bundled source when it is loaded. A
+corrupt database is moved aside (``cache.sqlite.corrupt``) and rebuilt; a folder this user
+cannot write is served read-only.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from typing import Any
 from urllib.parse import quote
 
 
-from adaptive_eager.cache import trust, values
+from adaptive_eager.cache import pins, trust, values
 from adaptive_eager.cache.trust import Untrusted
 from adaptive_eager.metrics import METRICS as M
 
@@ -69,6 +75,8 @@ _TOUCH_S = 600.0  # a use is recorded at most this often (each record is a commi
 _logged: set[str] = set()
 # Kernel folders that passed the trust rule in this process, writable (the backend uses them).
 KERNEL_DIRS_OK: set[str] = set()
+# Their caches' size limits in bytes (precompiled headers only where they fit: Note [cache size]).
+KERNEL_DIR_LIMITS: dict[str, int] = {}
 
 UnsafeCacheDir = Untrusted  # the name earlier versions exported
 
@@ -134,6 +142,7 @@ class DiskCache:
             self._collect_legacy()
             self.enforce_limit()
             KERNEL_DIRS_OK.add(str(self.directory / INDUCTOR_DIR))
+            KERNEL_DIR_LIMITS[str(self.directory / INDUCTOR_DIR)] = self.size_limit
 
     @classmethod
     def open(cls, directory: Path, size_limit: int) -> DiskCache | None:
@@ -394,7 +403,7 @@ class DiskCache:
         header = {"format": FORMAT, "torch": torch_version, "backend": backend,
                   "size": len(artifact), "info": info, "written": time.time()}
         self._set(_PROGRAM + key, header, bytes(artifact))
-        self.enforce_limit()
+        self.enforce_limit(rescan=True)  # its kernels are on disk by now: Note [cache size]
 
     def program_info(self, key: str) -> dict | None:
         """A program's metadata only (its artifact is neither returned nor parsed)."""
@@ -565,10 +574,18 @@ class DiskCache:
                        "cache folder within its size limit: %s", err)
             return 0
 
+    def _kernel_victims(self) -> list[tuple[float, str, str, int]]:
+        """Kernel folder entries eviction may remove: none a live process relies on (Note
+        [kernel pins])."""
+        live, since = pins.live_pins(self.directory / INDUCTOR_DIR)
+        keep = set(pins.PINNED_NAMES) if live else {pins.PINS_DIR}
+        return [(t, "kernels", name, s) for name, (s, t) in self._kernels.items()
+                if name not in keep and (since is None or t < since)]
+
     def _evict(self, over: int) -> int:
         rows = self._sql("SELECT key, size, accessed FROM entries WHERE key LIKE 'program:%'")
         victims: list[tuple[float, str, str, int]] = [(a, "program", k, s) for k, s, a in rows]
-        victims += [(t, "kernels", name, s) for name, (s, t) in self._kernels.items()]
+        victims += self._kernel_victims()
         victims.sort()
         kernels = self.directory / INDUCTOR_DIR
         n = 0
