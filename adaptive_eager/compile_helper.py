@@ -9,17 +9,32 @@ import os
 import sys
 
 
+def take_lowest_priority() -> str:
+    """Put this process (and what it starts from now on) at the lowest CPU priority (Note
+    [compile priority] in compile_process.py); returns what it took, for the log."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        return "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.nice(19 - os.nice(0))
+        return "nice 19"
+    except (AttributeError, OSError):
+        return "unchanged"
+
+
 def main() -> None:
-    # argv: [-c, package folder, module, function, init, parent pid, nice] from
+    # argv: [-c, package folder, module, function, init, parent pid] from
     # compile_process.helper_command
     argv = sys.argv
     parent = int(argv[5]) if len(argv) > 5 and argv[5].isdigit() else None
-    nice = int(argv[6]) if len(argv) > 6 and argv[6].lstrip("-").isdigit() else None
+    take_lowest_priority()  # idempotent; the bootstrap took it already
     if parent is not None and os.getppid() != parent:
         os._exit(0)  # orphaned while starting: nobody to compile for
     from adaptive_eager.compile_process import serve
 
-    serve(parent, nice)
+    serve(parent)
     try:
         sys.stdout.flush()
     except Exception:

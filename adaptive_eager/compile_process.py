@@ -21,8 +21,8 @@ never imported, by it or by the probes Inductor starts in it. The package itself
 the folder this process loaded it from (the bootstrap below), everything else from the
 interpreter's own paths, so a backend object must come from an installed package (one defined in
 the script is "unusable" there and compiles here). The helper compiles into the same Inductor
-kernel folder as this process (sent with each request). It runs at ``HELPER_NICE``: where no
-core is idle the program keeps a slight priority. A backend opts in with
+kernel folder as this process (sent with each request). It runs at the lowest CPU priority
+(Note [compile priority]). A backend opts in with
 ``separate_process = True``. A compile that fails in the helper fails as it would here (the trace
 stays op by op); a helper that cannot start, dies or answers garbage is counted
 (``helper_errors``) and that compile, and every later one, runs in the compile thread instead.
@@ -50,12 +50,24 @@ from adaptive_eager.isolation import child_env, isolate_vec_isa_probe, private_c
 log = logging.getLogger("adaptive_eager")
 
 _HEADER = struct.Struct("<Q")
-# Measured by benchmarks/compile_stall.py on 2 busy cores (two OpenMP threads stepping the
-# program): at nice 0 the program ran 3x slower while the helper compiled (18 s); at 3, 1.6x
-# (22 s); at 10 it did not slow down, but the compile took 58 s, and a program that keeps every
-# core busy (16M-element steps) starved it for minutes: the fused program that would have made
-# it 6x faster came far too late. So a slight preference only. Idle cores make this moot.
-HELPER_NICE = 3
+# Note [compile priority]
+# A compile runs beside the program it serves, on the same cores, while the program goes on
+# plain eager (Note [waiting aside]). Earlier measurements (benchmarks/compile_stall.py, 2 cores,
+# two OpenMP threads stepping the program): with the helper at nice 0 the program ran 3x slower
+# while it compiled, at nice 3 1.6x; with the compile service's helpers at nice 0, a GPT-2-style
+# step (two OpenMP threads on two cores) ran 5-8x eager's time for the ~80 steps a compile
+# lasted, eager's own kernels 10-60x slower: an OpenMP team whose threads lose their core to
+# another process waits at every barrier for the descheduled one, so a share of the CPU costs
+# far more than that share. A nice level only weights the share; it does not stop that. So every
+# helper (the program's own and the compile service's) takes the lowest class the system has:
+# SCHED_IDLE on Linux (it runs only on CPU time nothing else wants; inherited by the C++
+# compilers it starts) or nice 19 elsewhere. The program is then never slowed by its own
+# compiles; the price is that a program keeping every core busy leaves its compile little time
+# and gets its fused program later, running at eager's speed meanwhile. A program that waits
+# for a compile (``compile_async=False``, or at exit) leaves the cores idle, and the compile
+# runs at full speed then. The bootstrap takes it before the helper imports anything
+# (``compile_helper.take_lowest_priority``): torch's imports are seconds of CPU too.
+
 
 
 class HelperFailed(RuntimeError):
@@ -208,13 +220,16 @@ def _apply_flags(flags: dict[str, Any]) -> None:
 # The first lines of a helper or of the compile service, run by ``python -I -c``: adaptive_eager
 # (only it) from the folder the parent loaded it from, appended last so nothing there shadows the
 # standard library. argv: [-c, package folder, module, function, args...]. The package's
-# ``__init__`` runs only where ``import torch`` is wanted anyway (the helper): the service
+# ``__init__`` runs only where ``import torch`` is wanted anyway (the helper, once it has taken
+# the lowest CPU priority): the service
 # (service.py) is a broker that never imports torch, and starts in a tenth of a second.
 _BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
          "import sys, importlib, importlib.machinery as m, importlib.util as u\n"
          "s = m.PathFinder.find_spec('adaptive_eager', [sys.argv[1]])\n"
          "p = u.module_from_spec(s); sys.modules['adaptive_eager'] = p\n"
-         "if sys.argv[4] == 'init': s.loader.exec_module(p)\n"
+         "if sys.argv[4] == 'init':\n"
+         "    importlib.import_module('adaptive_eager.compile_helper').take_lowest_priority()\n"
+         "    s.loader.exec_module(p)\n"
          "getattr(importlib.import_module(sys.argv[2]), sys.argv[3])()\n")
 
 
@@ -224,11 +239,9 @@ def boot_command(module: str, function: str, args: list[str], init: bool = False
             "init" if init else "bare", *args]
 
 
-def helper_command(nice: int | None = None) -> list[str]:
-    """argv[5:]: the parent's pid and the nice level to take."""
-    return boot_command("adaptive_eager.compile_helper", "main",
-                        [str(os.getpid()), str(HELPER_NICE if nice is None else nice)],
-                        init=True)
+def helper_command() -> list[str]:
+    """argv[5:]: the parent's pid."""
+    return boot_command("adaptive_eager.compile_helper", "main", [str(os.getpid())], init=True)
 
 
 def request_bytes(backend: Any, graph: Any) -> bytes:
@@ -335,7 +348,7 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
-def serve(parent: int | None = None, nice: int | None = None) -> None:
+def serve(parent: int | None = None) -> None:
     """The helper's loop: requests on stdin, answers on the original stdout; returns (quietly)
     when the parent closes the pipe or is gone. ``parent``: the pid that started this helper
     (it may have died while this one was still importing torch)."""
@@ -347,10 +360,6 @@ def serve(parent: int | None = None, nice: int | None = None) -> None:
     if os.getppid() != parent:
         return
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    if hasattr(os, "nice"):
-        # The program comes first: on a busy machine the compile (and the C++ compilers it
-        # starts, which inherit this) takes the CPU time the program leaves idle.
-        os.nice(HELPER_NICE if nice is None else nice)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # compilers' prints must not corrupt the answers
     inp = sys.stdin.buffer
@@ -410,9 +419,7 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
 #   choice is the same, at a quarter of the cost. Done in helpers, and in the program before it
 #   loads a program (loading an artifact runs the probe too: 2 s warm, far more with a fresh
 #   kernel folder); torch.compile in the program then gets the same choice, sooner.
-# * Helpers of the service run at nice 0 (SERVICE_HELPER_NICE): a program usually waits, plain
-#   eager (Note [waiting aside]), for the program they compile; the per-process helper keeps
-#   HELPER_NICE.
+# * Helpers take the lowest CPU priority before any of this (Note [compile priority]).
 
 
 def fast_vec_isa_pick() -> None:

@@ -345,7 +345,7 @@ class _Helper:
 
         self.service = service
         self.proc = subprocess.Popen(  # Note [isolated subprocesses]
-            helper_command(nice=SERVICE_HELPER_NICE), stdin=subprocess.PIPE,
+            helper_command(), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=None, close_fds=True, env=child_env(shared=True),
             cwd=service.folder)
         self.thread = threading.Thread(target=self.loop, daemon=True)
@@ -430,7 +430,6 @@ class _Helper:
             self.proc.wait()
 
 
-SERVICE_HELPER_NICE = 0  # Note [helper warm-up]: a program usually waits for these compiles
 
 
 class Service:
