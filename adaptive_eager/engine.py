@@ -24,7 +24,7 @@ from adaptive_eager.dispatch.lazy import (
     rebind_aliases, resolve_all,
 )
 from adaptive_eager.dispatch.opspec import GRAD_MODE, RANDOM, OpSpec
-from adaptive_eager.explain import explain_miss, user_frame
+from adaptive_eager.explain import explain_miss, note_flush_site, user_frame
 from adaptive_eager.compiler import manager_for, run_size
 from adaptive_eager.execute import live_slots, poison, publish, replay
 from adaptive_eager.fused import run_fused
@@ -507,12 +507,15 @@ class Engine:
             self.ext_writes = False
             if self.guard is not None and self.guard.pushed:
                 self.guard.sync()  # disarm before the run (Note [guard off while a trace runs], mode.py)
+            n_ops, replayed, start = len(tr.ops), M.replayed_runs, time.perf_counter()
             try:
                 self._run_trace(tr, True)
             finally:
                 self.flushing -= 1
                 if self.guard is not None and self.guard.pushed:
                     self.guard.sync()  # disarm (Note [read guard] in dispatch/mode.py)
+                note_flush_site(reason, n_ops, M.replayed_runs != replayed,
+                                time.perf_counter() - start)
 
     def _run_trace(self, tr: Trace, owner: bool) -> None:
         if _transforms_active():

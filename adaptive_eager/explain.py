@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from adaptive_eager.dispatch.lazy import METAS_BY_ID
+from adaptive_eager.metrics import METRICS
 
 _SKIP_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -29,6 +30,36 @@ def user_frame(depth: int = 2) -> str:
             return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "<unknown>"
+
+
+# Note [flush causes]
+# Every flush ends a trace where the user's code made it end: a ``.item()``, a ``print`` of a
+# tensor, an op that cannot be deferred, a data-dependent shape, the optimizer step. Each flush
+# is counted under its reason and the first frame outside torch and this package (``user_frame``:
+# a frame walk per flush, never per op), with the ops it ran and, when they ran op by op, the
+# seconds that took. ``adaptive-eager report`` turns those seconds into time lost with this
+# run's measured ratio of fused to op-by-op time, and ranks the lines by it (report.py). The
+# table is bounded (FLUSH_SITES_MAX lines; later lines share one row).
+FLUSH_SITES_MAX = 256
+_OTHER_SITES = "(other lines)"
+
+
+def note_flush_site(reason: str, n_ops: int, op_by_op: bool, seconds: float) -> None:
+    """Count one flush under its reason and the user's source line (Note [flush causes])."""
+    sites = METRICS.flush_sites
+    key = f"{reason} at {user_frame(3)}"
+    row = sites.get(key)
+    if row is None:
+        if len(sites) >= FLUSH_SITES_MAX:
+            key = f"{reason} at {_OTHER_SITES}"
+            row = sites.get(key)
+        if row is None:
+            row = sites[key] = [0, 0, 0, 0.0]
+    row[0] += 1
+    row[1] += n_ops
+    if op_by_op:
+        row[2] += n_ops
+        row[3] += seconds
 
 
 def _meta_text(mid: int) -> str:

@@ -22,7 +22,7 @@ class Metrics:
         "sym_guard_fallbacks", "sym_left", "sym_mispredicted", "sym_dims",
         "sym_programs", "sym_checked", "sym_program_fallbacks", "sym_trusted",
         "sym_guard_refused", "sym_guards_unknown", "sym_sizes_loaded", "sym_specialized",
-        "sym_unfusable", "key_repairs",
+        "sym_unfusable", "key_repairs", "flush_sites",
     )
 
     def __init__(self) -> None:
@@ -99,6 +99,9 @@ class Metrics:
         self.key_repairs = 0
         self.program_waits: dict[str, float] = {}  # trace -> seconds until its program was ready
         self.flush_reasons: Counter[str] = Counter()
+        # Note [flush causes]: "<reason> at <file:line (function)>" -> [flushes, ops, ops run op
+        # by op, seconds running op by op]
+        self.flush_sites: dict[str, list] = {}
         self.fallback_ops: Counter[str] = Counter()
         self.engine_error_kinds: Counter[str] = Counter()
 
@@ -106,6 +109,8 @@ class Metrics:
         out: dict[str, Any] = {}
         for name in self.__slots__:
             value = getattr(self, name)
+            if name == "flush_sites":
+                value = {k: list(v) for k, v in value.items()}
             out[name] = dict(value) if isinstance(value, (Counter, dict)) else value
         return out
 

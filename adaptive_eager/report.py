@@ -62,6 +62,7 @@ def summarize_run(records: list[dict]) -> dict:
         "ledger": ledger[:20],
         "traces": [_trace_row(t) for t in traces[:50]],
         "flush_reasons": dict(Counter(m.get("flush_reasons", {})).most_common(12)),
+        "flush_causes": flush_causes(m.get("flush_sites") or {}, traces),
         "fallback_ops": dict(Counter(m.get("fallback_ops", {})).most_common(12)),
         "first_sight_misses": sum(r.get("count", 0) for r in misses
                                   if r.get("cause") in _FIRST_SIGHT),
@@ -123,6 +124,76 @@ def _ledger_row(t: dict) -> dict | None:
             "saved_ms_per_run": None if per_run is None else round(per_run, 3),
             "runs": t.get("runs"), "fused_runs": fused_runs, "break_even_runs": even,
             "saved_s": round(saved_s, 3), "paid_back": even is not None and fused_runs >= even}
+
+
+_DATA_DEPENDENT = "output shape depends on values"
+
+
+def flush_kind(reason: str) -> tuple[str, str]:
+    """(what ended the trace, what to do about it) for a flush reason (Note [flush causes])."""
+    if reason.startswith("other_thread:"):
+        reason = reason[len("other_thread:"):]
+    if reason in ("sync:aten._local_scalar_dense.default", "read:item"):
+        return (".item() (or float()/int()/bool() of a tensor)",
+                "it waits for every pending op: read the value every N steps, or after "
+                "optimizer.step(), so the step stays one fused program")
+    if reason == "read":
+        return ("a read of a pending tensor in Python (print, .tolist(), numpy, ...)",
+                "it runs the pending ops first: do it every N steps, or after the step")
+    if reason in ("read:__repr__", "read:__format__", "read:__str__"):
+        return "print of a tensor", "print every N steps, or print a value read with .item()"
+    if reason.startswith("read:"):
+        return (f"a read of a tensor's memory ({reason[5:]})",
+                "numpy/ctypes/DLPack reads run the pending ops first: do them outside the "
+                "step loop, or less often")
+    if reason.startswith("sync(") and _DATA_DEPENDENT in reason:
+        op = reason.rsplit(":", 1)[-1]
+        return (f"a data-dependent shape ({op})",
+                "its size is known only once it runs: torch.where or a fixed-size mask keeps "
+                "the step in one trace")
+    if reason.startswith("sync("):
+        why, _, op = reason[5:].rpartition("):")
+        return f"{op} runs at once ({why})", "this op cannot be deferred"
+    if reason.startswith("sync:"):
+        return f"{reason[5:]} runs at once", "this op's result is needed in Python right away"
+    if reason.startswith("fallback:"):
+        return (f"{reason[9:]} has no deferred path",
+                "it runs eagerly after the pending ops; an alternative op keeps the trace whole")
+    if reason.startswith("new_op:"):
+        return ("an op seen for the first time",
+                "expected while the program settles in its first steps")
+    if reason == "optimizer_step":
+        return "the optimizer step", "expected: each iteration is one trace"
+    if reason == "exit":
+        return "the engine's context ended", "expected"
+    if reason == "trace_cap":
+        return ("the longest trace (max_trace_ops)",
+                "raise ADAPTIVE_EAGER_MAX_TRACE_OPS if one step has more ops")
+    return reason, ""
+
+
+def flush_causes(sites: dict, traces: list[dict]) -> list[dict]:
+    """Flushes by source line, ranked by time lost (Note [flush causes]): the seconds their ops
+    ran op by op, less what fused programs took for the same work in this run (the ratio of
+    fused to op-by-op time over every trace measured both ways; without one, the op-by-op
+    seconds are shown and the loss is unknown)."""
+    pairs = [(t["fused_ms"], t["replay_ms"]) for t in traces
+             if t.get("fused_ms") is not None and t.get("replay_ms")]
+    ratio = sum(f for f, _ in pairs) / sum(r for _, r in pairs) if pairs else None
+    rows = []
+    for key, row in sites.items():
+        if not isinstance(row, list) or len(row) != 4:
+            continue
+        reason, _, where = key.partition(" at ")
+        flushes, ops, unfused, unfused_s = row
+        kind, advice = flush_kind(reason)
+        lost = None if ratio is None else max(0.0, unfused_s * (1.0 - ratio))
+        rows.append({"where": where, "reason": reason, "kind": kind, "advice": advice,
+                     "flushes": flushes, "ops": ops, "ops_op_by_op": unfused,
+                     "op_by_op_s": round(unfused_s, 4),
+                     "lost_s": None if lost is None else round(lost, 4)})
+    rows.sort(key=lambda r: (r["lost_s"] or 0.0, r["op_by_op_s"], r["flushes"]), reverse=True)
+    return rows
 
 
 def _miss_row(r: dict) -> dict:
@@ -204,6 +275,16 @@ def _format_run(r: dict) -> list[str]:
            f"  compiles: {r['compiles']} ({r['compile_seconds']} s), disk hits {r['disk_hits']}, "
            f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x, "
            f"plain eager while compiling {r.get('compile_waits', 0)}x"]
+    if r.get("flush_causes"):
+        out.append("  flush causes by time lost (your line, what ended the trace there, ops "
+                   "that ran op by op):")
+        for c in r["flush_causes"][:8]:
+            cost = (f"~{c['lost_s']:.3f} s lost" if c["lost_s"] is not None
+                    else f"{c['op_by_op_s']:.3f} s op by op")
+            out.append(f"    {cost:>16}  {c['where']}: {c['kind']}, {c['flushes']}x, "
+                       f"{c['ops_op_by_op']} of {c['ops']} ops op by op")
+            if c["advice"]:
+                out.append(f"      {c['advice']}")
     if r.get("compiles") or r.get("disk_hits") or r.get("service_pending"):
         # where the time to a fused program went
         line = (f"  time to fused: queued {r.get('queued_seconds', 0.0)} s, compiling "
