@@ -153,6 +153,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from adaptive_eager import collector
 from adaptive_eager import compiler as compiler_mod
 from adaptive_eager.compiler import _median
+from adaptive_eager.cores import CoreLoan
 from adaptive_eager.dispatch.lazy import LazyTensor, become_real
 from adaptive_eager.metrics import METRICS as M
 
@@ -441,6 +442,7 @@ class Presence:
         self.verdict: str | None = None  # the last trial's outcome, until a probe reopens it
         self.verdict_decisions = 0  # the compile manager's decisions when it was given
         self.waiting = False  # aside until the compiles in flight finish (Note [waiting aside])
+        self.loan = CoreLoan()  # a core lent to the compile while waiting (Note [compile cores])
         self._depth = 0
         self._tick_hooks: list[Any] = []
         self.calls_in_context = 0  # outermost module calls in the current context
@@ -510,6 +512,8 @@ class Presence:
         if not (self.aside or self.waiting or self.trial == "eager"):  # wants_modes()
             self.activate()  # also installs the step hook and, where they are rounds, tick hooks
         else:
+            if self.waiting and opts.lend_core:
+                self.loan.lend()  # Note [compile cores]: again, inside the context only
             if self._step_hook is None and (opts.step_flush or opts.step_aside):
                 self._step_hook = _StepHook.add(self)  # counts optimizer steps while aside
             if (ticks is None or ticks == "forward" or ticks == "sync") and opts.step_aside:
@@ -526,6 +530,7 @@ class Presence:
             elif self.pending is not None:
                 self.safe_point()
         finally:
+            self.loan.give_back()  # outside the context the program's own thread count
             self.in_context = False  # the step hook stays registered (see _StepHook)
             if self._sync_wrapped and self.pending is None:
                 _wrap_sync_methods(self, False)  # sync rounds count inside contexts only
@@ -550,6 +555,7 @@ class Presence:
 
     def close(self) -> None:
         self.quiet = False
+        self.loan.give_back()
         self.in_context = False
         self._remove_profile_point()
         if self._sync_wrapped:
@@ -707,6 +713,7 @@ class Presence:
             if ((not M.compiles_pending or (self.steps_aside & 15) == 0)
                     and not self.engine.compiler.compiling()):
                 self.waiting = False
+                self.loan.give_back()
                 self.activate()
                 log.info("adaptive_eager: compiles done; back in the engine")
         elif self.aside:
@@ -727,6 +734,8 @@ class Presence:
             self.engine.flush("compile_wait")
             self.deactivate()
             self.waiting = True
+            if self.engine.options.lend_core:
+                self.loan.lend()
             self.steps_aside = 0
             M.compile_waits += 1
             log.info("adaptive_eager: plain eager while compiling")

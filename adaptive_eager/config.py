@@ -131,6 +131,10 @@ SETTINGS: tuple[Setting, ...] = (
             "GIL (off: in a thread of this process)."),
     Setting("step_aside", "ADAPTIVE_EAGER_STEP_ASIDE", _parse_bool, True,
             "Leave the mode stack when measurements show no trace gains from fusion."),
+    Setting("lend_core", "ADAPTIVE_EAGER_LEND_CORE", _parse_bool, True,
+            "While waiting aside for a compile, run one torch thread fewer than the cores, so "
+            "the compile does not stall the program's OpenMP team (Note [compile cores]); "
+            "reductions may then round as with fewer threads. Off: the program's own count."),
     Setting("step_flush", "ADAPTIVE_EAGER_STEP_FLUSH", _parse_bool, True,
             "End the trace after every optimizer step, so each training iteration is one "
             "trace that repeats (like torch_xla's mark_step)."),
@@ -208,6 +212,7 @@ class Options:
     compile_async: bool = True
     compile_process: bool = True
     step_aside: bool = True
+    lend_core: bool = True  # Note [compile cores]
     step_flush: bool = True
     probe_every: int = 2000
     workers: bool = False

@@ -22,7 +22,7 @@ class Metrics:
         "sym_guard_fallbacks", "sym_left", "sym_mispredicted", "sym_dims",
         "sym_programs", "sym_checked", "sym_program_fallbacks", "sym_trusted",
         "sym_guard_refused", "sym_guards_unknown", "sym_sizes_loaded", "sym_specialized",
-        "sym_unfusable", "key_repairs", "flush_sites",
+        "sym_unfusable", "key_repairs", "flush_sites", "cores_lent",
     )
 
     def __init__(self) -> None:
@@ -60,6 +60,7 @@ class Metrics:
         self.guard_arms = 0  # the read guard went on the mode stack (Note [read guard], mode.py)
         self.guard_disarms = 0  # ... and came off it
         self.compile_waits = 0  # times the engine ran plain eager while a compile was in flight
+        self.cores_lent = 0  # ... with one intra-op thread fewer (Note [compile cores], cores.py)
         self.layout_fixes = 0
         # fused outputs re-viewed or copied: they shared memory eager's do not share
         self.alias_fixes = 0
