@@ -89,7 +89,9 @@ def child_env(inductor_dir: Path, engine_dir: Path, threads: int | None) -> dict
     if threads:  # also reaches Inductor's OpenMP kernels, which torch.set_num_threads may not
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
-    env["TRITON_CACHE_DIR"] = str(inductor_dir / "triton")
+    # Triton's cache follows Inductor's folder (triton_cache_dir); a variable of its own would
+    # also be part of the compile service's identity, a service the driver could not ask about
+    env.pop("TRITON_CACHE_DIR", None)
     env["ADAPTIVE_EAGER_CACHE_DIR"] = str(engine_dir)
     env.pop("ADAPTIVE_EAGER", None)  # the eager baseline must not switch the engine on
     return env

@@ -172,7 +172,9 @@ def child_env(mode: str, engine_dir: Path, inductor_dir: Path, threads: int | No
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["ADAPTIVE_EAGER_CACHE_DIR"] = str(engine_dir)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
-    env["TRITON_CACHE_DIR"] = str(inductor_dir / "triton")
+    # Triton's cache follows Inductor's folder (triton_cache_dir); a variable of its own would
+    # also be part of the compile service's identity, a service the driver could not ask about
+    env.pop("TRITON_CACHE_DIR", None)
     return env
 
 
