@@ -126,6 +126,24 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
         pass
 
 
+def run_worker(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, bool]:
+    """Run a measuring subprocess in its own session from the repository root: (returncode,
+    stderr, timed out). Past ``timeout``, or on Ctrl-C (which the child's own session does not
+    get), its whole process group is killed."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        _, stderr = proc.communicate()
+        timed_out = True
+    except BaseException:
+        kill_group(proc)
+        raise
+    return proc.returncode, stderr, timed_out
+
 def run_one(run: RunSpec, settings: Settings, root: Path) -> dict[str, Any]:
     """Run one measurement in a fresh subprocess; errors and timeouts become result fields."""
     inductor_dir, engine_dir = cache_dirs(root, settings.device, run)
@@ -139,27 +157,16 @@ def run_one(run: RunSpec, settings: Settings, root: Path) -> dict[str, Any]:
            "--result", str(result_path)]
     env = child_env(inductor_dir, engine_dir, settings.threads)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=settings.timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        _, stderr = proc.communicate()
-        timed_out = True
-    except BaseException:  # Ctrl-C: the worker has its own session and did not get the signal
-        kill_group(proc)
-        raise
+    returncode, stderr, timed_out = run_worker(cmd, env, settings.timeout)
     res: dict[str, Any] = {"workload": run.workload, "size": run.size, "mode": run.mode.name,
-                           "process_s": time.perf_counter() - t0, "returncode": proc.returncode}
+                           "process_s": time.perf_counter() - t0, "returncode": returncode}
     if result_path.exists():
         res.update(json.loads(result_path.read_text()))
         result_path.unlink()
     elif timed_out:
         res.update(status="timeout", error=f"killed after {settings.timeout:.0f} s")
     else:
-        res.update(status="error", error=f"worker died ({exit_reason(proc.returncode)}): "
+        res.update(status="error", error=f"worker died ({exit_reason(returncode)}): "
                                          f"{_tail(stderr, 2)}"[:500])
     if res.get("status") != "ok":
         res["stderr_tail"] = _tail(stderr, 20)

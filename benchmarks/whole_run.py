@@ -32,7 +32,6 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -180,8 +179,7 @@ def child_env(mode: str, engine_dir: Path, inductor_dir: Path, threads: int | No
 
 def run_one(root: Path, repeat: int, program: str, mode: str, steps: int, timeout: float,
             threads: int | None, compile_backend: str = "inductor") -> Row:
-    from benchmarks.machine import REPO_ROOT
-    from benchmarks.suite import exit_reason, kill_group, load_average
+    from benchmarks.suite import exit_reason, load_average, run_worker
 
     engine_dir, inductor_dir = _dirs(root, repeat, program, mode)
     spec = {"program": program, "mode": mode, "steps": steps, "threads": threads,
@@ -192,20 +190,8 @@ def run_one(root: Path, repeat: int, program: str, mode: str, steps: int, timeou
     row: Row = {"repeat": repeat, "program": program, "mode": mode,
                 "load_before": load_average()[0]}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=child_env(mode, engine_dir, inductor_dir,
-                                                               threads),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        _, stderr = proc.communicate()
-        timed_out = True
-    except BaseException:  # Ctrl-C: the child has its own session and did not get the signal
-        kill_group(proc)
-        raise
+    returncode, stderr, timed_out = run_worker(
+        cmd, child_env(mode, engine_dir, inductor_dir, threads), timeout)
     row.update(process_s=time.perf_counter() - t0, load_after=load_average()[0])
     if result_path.exists():
         row.update(json.loads(result_path.read_text()))
@@ -214,7 +200,7 @@ def run_one(root: Path, repeat: int, program: str, mode: str, steps: int, timeou
         row.update(status="timeout", error=f"killed after {timeout:.0f} s")
     else:
         tail = " | ".join(stderr.strip().splitlines()[-2:])
-        row.update(status="error", error=f"child died ({exit_reason(proc.returncode)}): {tail}"
+        row.update(status="error", error=f"child died ({exit_reason(returncode)}): {tail}"
                    [:500])
     if row.get("status") != "ok":
         row["stderr_tail"] = "\n".join(stderr.strip().splitlines()[-20:])
