@@ -41,11 +41,21 @@ seconds to minutes, then stored nothing). When the program's main thread ends
 (``threading._register_atexit``, before non-daemon threads are joined), work still queued or
 running is dropped, the helper is abandoned, and one line on stderr says how many compiles and
 that the next run compiles them (their traces are marked hot on disk at submit). The worker imports
-nothing itself: the compiler's modules are imported in the program's thread before the first job
-(``_import_compiler``, 2.4 s here on a loaded 2-core machine, paid once, at the first hot or
-loaded trace). A background import raced the program's own ``import torch._dynamo`` (which any
-torch.optim optimizer does) and raised "partially initialized module" ImportErrors in user code;
-and a load that imports late, during shutdown, failed to register its atexit hook.
+nothing itself: the compiler's modules are imported in the program's thread (``_import_compiler``,
+0.9-2.4 s here on a 2-core machine, paid once). A background import raced the program's own
+``import torch._dynamo`` (which any torch.optim optimizer does) and raised "partially initialized
+module" ImportErrors in user code; and a load that imports late, during shutdown, failed to
+register its atexit hook.
+
+Note [import when a program lands]
+Sending a trace to the compile service or a helper needs none of the compiler's modules; only
+loading the program it sends back does. So the import waits for the first program to land: the
+worker stores the bytes and hands them back unloaded (``_Landed``) while the compiler is not
+imported yet, and the flushing thread imports and loads at the trace's next run. A cold run that
+ends before its first program lands (a 200-step script beside a 40 s cold compile) never pays
+the import: it cost every such run 0.8-1.5 s of a 1-3 s whole run here, in its fifth step. A
+run that gets a program pays it once, at a step it was going to run faster from. Programs from
+disk (Note [warm start]) still import first, in the program's thread, before the worker loads.
 
 Note [persisted decisions]
 Statistics on disk carry evidence with an age. A failure records its stage, error, whether it is
@@ -326,6 +336,10 @@ class _Worker:
                 self._running = None
                 self._cond.notify_all()
 
+    def is_current(self) -> bool:
+        """Whether the caller runs in the worker's thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def pending(self) -> list[str]:
         """Labels of the compiles queued or running (loads and warm-ups have no label)."""
         with self._cond:
@@ -364,6 +378,20 @@ _SERVICE_LOCK = threading.Lock()
 _service_broken: str | None = None  # why this process stopped using the service (logged once)
 _exit_hook_registered = False
 _imported = False  # the compiler's modules were imported in a program thread
+_compiler_ready = False  # ... and that import has finished: the worker may load programs
+
+
+_LOAD_HERE = object()  # _compiled's answer: load the landed program in this thread
+
+
+class _Landed:
+    """A program's bytes the worker could not load yet (Note [import when a program lands])."""
+
+    __slots__ = ("data", "graph")
+
+    def __init__(self, data: bytes, graph: Any) -> None:
+        self.data = data
+        self.graph = graph
 
 
 def _preload() -> None:
@@ -748,7 +776,8 @@ class CompileManager:
                                        options.cache_size_mb * 1024 * 1024)
             prepare = getattr(self.backend, "prepare", None)
             if self.disk is not None and prepare is not None:
-                _import_dynamo_first()  # prepare may import torch._inductor
+                # points Inductor's folder; imports nothing of it (Note [import when a
+                # program lands]): the compiler is imported, Dynamo first, before a load
                 prepare(str(self.disk.directory))
             if self.disk is not None:
                 self._prefetch()
@@ -793,7 +822,7 @@ class CompileManager:
     def _import_compiler(self) -> None:
         """Import what compiling and loading need, in the program's thread, before any of it
         runs in the worker (Note [compile worker]: imports racing the program's own)."""
-        global _imported
+        global _imported, _compiler_ready
         if _imported:
             return
         _imported = True
@@ -813,6 +842,7 @@ class CompileManager:
                     fast_vec_isa_pick()  # loading probes it too (Note [helper warm-up])
             except Exception as err:  # the compile or load that needs it reports it
                 log.info("adaptive_eager: importing the compiler failed: %s", err)
+        _compiler_ready = True
         log.info("adaptive_eager: compiler imported in %.2fs", time.perf_counter() - start)
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
@@ -1034,7 +1064,10 @@ class CompileManager:
                 if entry.state in ("measuring", "fused"):
                     return self._program_for(entry, trace, live)
         if local is not None:  # outside the lock: other threads' flushes go on meanwhile
-            self._compile_here(entry, *local)
+            if local[0] is _LOAD_HERE:
+                self._load_landed(entry, local[1], local[2])
+            else:
+                self._compile_here(entry, *local)
             with STATE_LOCK:
                 if entry.state in ("measuring", "fused") and set(live) <= entry.program_live \
                         and entry.graph.scalars_hold(trace.scalars):
@@ -1190,8 +1223,8 @@ class CompileManager:
                 and not (entry.graph is not None and _has_user_ops(entry.graph)))
 
     def _start(self, entry: TraceEntry, work: Any, *args: Any, label: str = "") -> None:
-        """Run a helper compile or a load in the worker thread (now, with compile_async off)."""
-        self._import_compiler()
+        """Run a helper compile or a load in the worker thread (now, with compile_async off).
+        Nothing is imported for it (Note [import when a program lands])."""
         entry.state = "compiling"
         with STATE_LOCK:
             M.compiles_pending += 1
@@ -1234,6 +1267,18 @@ class CompileManager:
         if again is not None:  # the helper failed on the way: compile here after all
             self._compile_here(entry, *again)
 
+    def _load_landed(self, entry: TraceEntry, landed: _Landed, seconds: float) -> None:
+        """Import the compiler and load a program the worker left unloaded, in the flushing
+        thread (Note [import when a program lands])."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            fut.set_result((self._load_compiled(landed.data, landed.graph, entry), seconds))
+        except Exception as err:
+            fut.set_exception(err)
+        with STATE_LOCK:
+            entry.future = fut
+            self._compiled(entry)
+
     def _compile(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> tuple[Any, float]:
         """Compile in this process and store the program on disk."""
         start = time.perf_counter()
@@ -1272,6 +1317,10 @@ class CompileManager:
         return self._load_compiled(data, g, entry), seconds
 
     def _load_compiled(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
+        if not _compiler_ready:  # Note [import when a program lands]
+            if WORKER.is_current():
+                return _Landed(data, g)
+            self._import_compiler()
         start = time.perf_counter()
         with outside_modes(), span("adaptive_eager.load"):
             program = self.backend.load(data, g)
@@ -1386,6 +1435,8 @@ class CompileManager:
             entry.future = None
             return (entry.graph,)
         program, seconds = result
+        if type(program) is _Landed:  # loaded by the caller, outside the lock
+            return (_LOAD_HERE, program, seconds)
         entry.compile_s = seconds
         entry.program = program
         entry.state = entry.loaded_state

@@ -262,18 +262,16 @@ def test_plain_eager_while_a_compile_is_in_flight(monkeypatch: pytest.MonkeyPatc
                                                   cache_dir: Path) -> None:
     """Note [waiting aside]: rounds run plain eager until the compile finishes, then the engine
     is back and uses the program."""
-    from adaptive_eager.backends.inductor import InductorBackend
-
     # Compiles run in the helper process (in-process ones run at the flush, Note [in-process
-    # compiles]); loading its answer, in the worker thread here, is made slow too, so the
-    # compile is in flight for a while however fast the helper is.
-    real_load = InductorBackend.load
+    # compiles]); storing its answer, in the worker thread, is made slow too, so the compile is
+    # in flight for a while however fast the helper is.
+    real_store = compiler.CompileManager._store
 
-    def slow_load(self: InductorBackend, data: bytes, graph: object) -> object:
-        time.sleep(1.5)
-        return real_load(self, data, graph)
+    def slow_store(self: compiler.CompileManager, *args: object, **kwargs: object) -> object:
+        time.sleep(1.5)  # in the worker: the compile stays in flight for a while
+        return real_store(self, *args, **kwargs)
 
-    monkeypatch.setattr(InductorBackend, "load", slow_load)
+    monkeypatch.setattr(compiler.CompileManager, "_store", slow_store)
     _no_estimate(monkeypatch)
     monkeypatch.setattr("adaptive_eager.aside.TRIAL_TICKS", 10_000)  # no trial in this test
     torch.manual_seed(0)

@@ -70,15 +70,14 @@ def _step(w: torch.Tensor, x: torch.Tensor) -> float:
 def test_waiting_aside_lends_a_core_inside_the_context_only(
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path, threads_per_core: int,
         lend: bool) -> None:
-    from adaptive_eager.backends.inductor import InductorBackend
 
-    real_load = InductorBackend.load
+    real_store = compiler.CompileManager._store
 
-    def slow_load(self: InductorBackend, data: bytes, graph: object) -> object:
-        time.sleep(1.5)  # the compile stays in flight for a while
-        return real_load(self, data, graph)
+    def slow_store(self: compiler.CompileManager, *args: object, **kwargs: object) -> object:
+        time.sleep(1.5)  # in the worker: the compile stays in flight for a while
+        return real_store(self, *args, **kwargs)
 
-    monkeypatch.setattr(InductorBackend, "load", slow_load)
+    monkeypatch.setattr(compiler.CompileManager, "_store", slow_store)
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
     monkeypatch.setattr(aside, "TRIAL_TICKS", 10_000)  # no trial in this test
     w, x = torch.randn(32, 32), torch.randn(8, 32)

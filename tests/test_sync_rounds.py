@@ -94,15 +94,13 @@ def test_waiting_aside_while_compiling(monkeypatch: pytest.MonkeyPatch,
                                        cache_dir: Path) -> None:
     """Note [waiting aside] through sync rounds: while the compile is in flight the loop runs
     plain eager (no op intercepted), then the engine comes back and uses the program."""
-    from adaptive_eager.backends.inductor import InductorBackend
+    real_store = compiler.CompileManager._store
 
-    real_load = InductorBackend.load
+    def slow_store(self: compiler.CompileManager, *args: object, **kwargs: object) -> object:
+        time.sleep(1.5)  # in the worker, the compile in flight (a warm Inductor cache is quick)
+        return real_store(self, *args, **kwargs)
 
-    def slow_load(self: InductorBackend, data: bytes, graph: object) -> object:
-        time.sleep(1.5)
-        return real_load(self, data, graph)
-
-    monkeypatch.setattr(InductorBackend, "load", slow_load)
+    monkeypatch.setattr(compiler.CompileManager, "_store", slow_store)
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
     monkeypatch.setattr(aside, "TRIAL_TICKS", 10_000)  # no trial in this test
     a, b = _solver()

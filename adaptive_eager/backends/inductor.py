@@ -24,8 +24,11 @@ stored with each and checked on load.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import re
+import sys
 import tempfile
 from typing import Any
 
@@ -428,9 +431,19 @@ def _detached(inputs: list[Any]) -> list[Any]:
 
 
 def _torch_default() -> str:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return os.path.abspath(default_cache_dir())
+    """Inductor's default kernel folder (``cache_dir_utils.default_cache_dir``). Computed here
+    while Inductor is not loaded: importing that module imports ``torch._inductor`` and Dynamo
+    with it, 1.4 s of every engine start here (Note [import when a program lands])."""
+    loaded = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if loaded is not None:
+        return os.path.abspath(loaded.default_cache_dir())
+    try:
+        username = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        getuid = getattr(os, "getuid", None)
+        username = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
+    sanitized = re.sub(r'[\\/:*?"<>|]', "_", username)
+    return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + sanitized))
 
 
 def user_kernel_dir() -> str | None:
@@ -440,8 +453,6 @@ def user_kernel_dir() -> str | None:
         return None
     if os.path.abspath(value) != _torch_default():
         return value
-    import sys
-
     autoload = sys.modules.get("adaptive_eager_autoload")
     at_import = getattr(autoload, "INDUCTOR_DIR_AT_IMPORT", None)
     return value if at_import and os.path.abspath(at_import) == os.path.abspath(value) else None
@@ -500,8 +511,6 @@ def use_kernel_dir(path: str, precompiled_headers: bool | None = None) -> None:
     _kernel_dir = path
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     _headers_fit = headers_fit(path) if precompiled_headers is None else precompiled_headers
-    import sys
-
     codecache = sys.modules.get("torch._inductor.codecache")
     if codecache is not None:
         _point_headers(codecache, path)
