@@ -470,6 +470,8 @@ class Engine:
         out = META_CACHE.get(mkey, _MISSING)
         if out is _MISSING:
             out = _view_metadata(op, spec, args, kwargs)
+            if out is None:  # Note [fresh outputs ignore offsets]
+                out = META_CACHE.fresh.get(_metadata_key(op, spec, args, kwargs, False))
             if out is None:
                 out = sym_predict(self.trace, op, mkey)  # Note [symbolic dims], single ops
                 if out is None:
@@ -661,7 +663,11 @@ class Engine:
         with _DisableFunction():
             out = op(*rargs, **rkwargs)
             if learn is not None:
-                META_CACHE.put(learn, _out_spec(out, spec.ret_alias))
+                out_spec = _out_spec(out, spec.ret_alias)
+                META_CACHE.put(learn, out_spec)
+                if out_spec is not EAGER_ONLY and _fresh(out, rargs, rkwargs):
+                    # Note [fresh outputs ignore offsets]
+                    META_CACHE.fresh[_metadata_key(op, spec, args, kwargs, False)] = out_spec
         if rng is not None and not torch.equal(rng, torch.get_rng_state()):
             # A user op that draws from the global generator without the nondeterministic_seeded
             # tag: deferred, its draws would move to the flush, out of program order. From now
@@ -804,28 +810,31 @@ def _may_copy(spec: OpSpec) -> bool:
     return may
 
 
-def _metadata_key(op: Any, spec: OpSpec, args: tuple, kwargs: dict) -> tuple:
-    key = (torch.get_default_dtype(), op, _meta_key(args, spec),
-           _meta_key(tuple(kwargs.items()), spec) if kwargs else None)
+def _metadata_key(op: Any, spec: OpSpec, args: tuple, kwargs: dict,
+                  offsets: bool = True) -> tuple:
+    """``offsets=False``: pending inputs keyed without their storage offsets too (Note [fresh
+    outputs ignore offsets])."""
+    key = (torch.get_default_dtype(), op, _meta_key(args, spec, offsets),
+           _meta_key(tuple(kwargs.items()), spec, offsets) if kwargs else None)
     if spec.policy == GRAD_MODE:  # Note [grad-mode kernels]
         return (*key, torch.is_grad_enabled())
     return key
 
 
-def _meta_key(items: tuple, spec: OpSpec) -> tuple:
+def _meta_key(items: tuple, spec: OpSpec, offsets: bool = True) -> tuple:
     """Like the trace key, but with every tensor as its metadata id (see cache/memory.py)."""
     out: list[Any] = []
     with _DisableFunction():
         for a in items:
             t = type(a)
-            if t is LazyTensor and a._ae_real is None:
+            if t is LazyTensor and a._ae_real is None and offsets:
                 out.append(a._ae_meta.mid)  # pending: its offset matters to views of it
             elif isinstance(a, _Tensor):
                 m = a._ae_meta if t is LazyTensor else meta_of(a)
                 # external: offset-free, as in the trace key (Note [views of real tensors])
                 out.append(intern_meta(m.size, m.stride, 0, m.dtype, m.device, m.bits).mid)
             elif t is list or t is tuple:
-                out.append(_meta_key(tuple(a), spec))
+                out.append(_meta_key(tuple(a), spec, offsets))
             elif t is float or t is complex or t is int or t is bool:
                 out.append((t, a) if spec.structural or t is int or t is bool else t)
             else:
@@ -886,6 +895,34 @@ def _view_spec(out: Any, base: torch.Tensor, device: torch.device) -> Any:
 
 
 EAGER_ONLY = "eager-only"  # metadata-cache value: outputs a lazy tensor cannot stand for
+
+
+# Note [fresh outputs ignore offsets]
+# A pending lazy input is keyed in the metadata cache with its storage offset, since a view of it
+# has an offset that follows from it. An op whose outputs share no storage with its inputs has
+# metadata that follows from the inputs' sizes, strides, dtypes and the arguments alone (the
+# kernel allocates its outputs; TensorIterator lays them out by strides), so its learnt metadata
+# are also kept under a key without pending inputs' offsets (``MetaCache.fresh``) and serve a
+# later miss whose inputs differ only in offset. Without it, a Python loop over time steps
+# (``dt[:, t] * a`` for t in range(32): a pending view at another offset each time) needed an
+# eager run, and so a flush, for every t; each flush made the rest of that step's tensors real,
+# so each step learnt only the next few offsets: the selective-scan benchmark ran 23 steps op by
+# op, cut into 3-4 traces each, before its whole step repeated. Ops that may alias an input (by
+# their schema, or as found when learning: ``_unsafe_view`` shares storage unannotated) are
+# keyed with offsets as before.
+def _fresh(out: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether no tensor output of a real run shares storage with a tensor input."""
+    outs = out if type(out) is tuple or type(out) is list else (out,)
+    if not all(isinstance(o, _Tensor) or o is None for o in outs):
+        return False
+    ins: list = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, _Tensor):
+            ins.append(a)
+        elif type(a) is list or type(a) is tuple:
+            ins.extend(x for x in a if isinstance(x, _Tensor))
+    is_alias = torch._C._is_alias_of
+    return not any(o is not None and is_alias(o, x) for o in outs for x in ins)
 
 
 def _out_spec(out: Any, ret_alias: tuple[int | None, ...]) -> Any:

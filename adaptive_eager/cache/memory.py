@@ -216,6 +216,9 @@ class MetaCache:
 
     def __init__(self) -> None:
         self.table: dict[tuple, OutSpec] = {}
+        # outputs with storage of their own, by a key without pending inputs' offsets (Note
+        # [fresh outputs ignore offsets] in engine.py)
+        self.fresh: dict[tuple, OutSpec] = {}
 
     def get(self, key: tuple, default: Any = None) -> OutSpec:
         return self.table.get(key, default)
@@ -227,6 +230,7 @@ class MetaCache:
 
     def clear(self) -> None:
         self.table.clear()
+        self.fresh.clear()
 
 
 TRIE = TraceTrie()
