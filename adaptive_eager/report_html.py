@@ -209,30 +209,39 @@ def _nice_step(raw: float) -> float:
 
 
 # ---- bar charts and tables -----------------------------------------------------------------
-def _hbars(rows: list[tuple[str, float, str, str]], unit: str) -> str:
-    """Horizontal bars: (label, value, color, tooltip); negative values drawn as their size."""
+def _hbars(rows: list[tuple[str, float, str, str, str]], unit: str) -> str:
+    """Horizontal bars: (label, value, color, tooltip, words after the value); a negative value
+    is drawn as its size."""
     if not rows:
         return ""
-    top = max(abs(v) for _, v, _, _ in rows) or 1.0
+    top = max(abs(row[1]) for row in rows) or 1.0
     h = 22
-    out = [f"<svg class='bars' width='{LABEL_W + BAR_W + 120}' height='{h * len(rows) + 4}' "
+    out = [f"<svg class='bars' width='{LABEL_W + BAR_W + 420}' height='{h * len(rows) + 4}' "
            "role='img'>"]
-    for i, (label, value, color, title) in enumerate(rows):
+    for i, (label, value, color, title, words) in enumerate(rows):
         y = i * h + 2
         w = max(abs(value) / top * BAR_W, 1.0)
+        after = f" \u00b7 {words}" if words else ""
         out.append(f"<text x='{LABEL_W - 8}' y='{y + 15}' text-anchor='end'>{_e(label)}</text>"
                    f"<rect x='{LABEL_W}' y='{y + 3}' width='{w:.1f}' height='{h - 6}' "
                    f"fill='{color}'><title>{_e(title)}</title></rect>"
-                   f"<text x='{LABEL_W + w + 6:.1f}' y='{y + 15}'>{value:,.3f} {unit}</text>")
+                   f"<text x='{LABEL_W + w + 6:.1f}' y='{y + 15}'>{value:,.3f} {unit}"
+                   f"{_e(after)}</text>")
     out.append("</svg>")
     return "".join(out)
 
 
 def _table(head: list[str], rows: list[list[object]], tid: str) -> str:
     ths = "".join(f"<th>{_e(h)}</th>" for h in head)
-    trs = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    trs = "".join("<tr>" + "".join(_cell(c) for c in row) + "</tr>" for row in rows)
     return f"<table class='sortable' id='{tid}'><thead><tr>{ths}</tr></thead><tbody>{trs}" \
            "</tbody></table>"
+
+
+def _cell(value: object) -> str:
+    """Figures and ids stay on one line; sentences and source lines wrap."""
+    text = _e(value)
+    return f"<td class='wrap'>{text}</td>" if len(str(value)) > 24 else f"<td>{text}</td>"
 
 
 def _saved_section(r: dict) -> str:
@@ -243,14 +252,16 @@ def _saved_section(r: dict) -> str:
                        "measured.</p></section>")
     bars = [(t["trace"][:12], t["saved_ms"], COLORS["saved" if t["saved_ms"] >= 0 else "lost"],
              f"{t['fused_runs']} fused runs x ({_num(t['replay_ms'])} - {_num(t['fused_ms'])}) "
-             "ms") for t in rows]
+             "ms", f"{t['fused_runs']} fused runs") for t in rows]
     table = _table(["trace", "runs", "ops", "op-by-op ms", "fused ms", "fused runs",
                     "saved ms", "decision"],
                    [[t["trace"][:12], t["runs"], t["n_ops"], _num(t["replay_ms"]),
                      _num(t["fused_ms"]), t["fused_runs"], _num(t["saved_ms"]), t["decision"]]
                     for t in rows], "saved-table")
     note = ("<p class='note'>Saved: fused runs times (median op-by-op time less median fused "
-            "time), both measured in this run.</p>")
+            "time), both measured in this run. The op-by-op median is mostly of the runs before "
+            "the compile, the first runs of the trace, which can be slower than later ones; the "
+            "decision column holds the paired timing the engine decided by.</p>")
     return head + _hbars(bars, "ms") + table + note + "</section>"
 
 
@@ -265,7 +276,7 @@ def _causes_section(r: dict) -> str:
                         else (c["op_by_op_s"], COLORS["op_by_op"]))
         bars.append((_short(c["where"]), value, color,
                      f"{c['where']}: {c['kind']}, {c['flushes']}x, {c['ops_op_by_op']} of "
-                     f"{c['ops']} ops op by op"))
+                     f"{c['ops']} ops op by op", f"{c['kind']}, {c['flushes']}x"))
     unit = "s lost" if any(c["lost_s"] is not None for c in rows) else "s op by op"
     table = _table(["source line", "what ended the trace", "flushes", "ops", "ops op by op",
                     "s op by op", "s lost", "what to do"],
@@ -291,11 +302,16 @@ def _ledger_section(r: dict) -> str:
         return head + "<p>Nothing was compiled in this run.</p></section>"
     bars = []
     for t in rows:
-        bars.append((f"{(t['trace'] or '')[:12]} compile", t["compile_s"], COLORS["compiling"],
-                     f"compiled in {t['compile_s']} s"))
-        bars.append((f"{(t['trace'] or '')[:12]} saved", t["saved_s"],
-                     COLORS["saved" if t["saved_s"] >= 0 else "lost"],
-                     f"{t['fused_runs']} fused runs saved {t['saved_s']} s"))
+        name = (t["trace"] or "")[:12]
+        even = ("never breaks even" if t["break_even_runs"] is None
+                else f"breaks even after {t['break_even_runs']} fused runs")
+        paid = ", paid back" if t["paid_back"] else ""
+        bars.append((f"{name} compile", t["compile_s"], COLORS["compiling"],
+                     f"compiled in {t['compile_s']} s", even))
+        color = COLORS["saved" if t["saved_s"] >= 0 else "lost"]
+        bars.append((f"{name} saved", t["saved_s"], color,
+                     f"{t['fused_runs']} fused runs saved {t['saved_s']} s",
+                     f"by {t['fused_runs']} fused runs{paid}"))
     table = _table(["trace", "ops", "compile s", "saved per run ms", "runs", "fused runs",
                     "break-even runs", "saved s", "paid back"],
                    [[(t["trace"] or "")[:12], t["n_ops"], _num(t["compile_s"]),
@@ -340,7 +356,7 @@ display:inline-block;width:12px;height:12px;margin-right:5px;vertical-align:-2px
 border-radius:2px}.note{color:#5a6675;font-size:12px}table{border-collapse:collapse;
 margin:10px 0;font-size:12.5px;width:100%}th,td{border-bottom:1px solid #e3e8ee;padding:4px 6px;
 text-align:left;vertical-align:top}th{background:#f3f6f9;cursor:pointer;user-select:none}
-td{word-break:break-word}
+td{white-space:nowrap}td.wrap{white-space:normal;word-break:break-word}
 """
 
 # Sortable tables, and a marker the tests read: data-report-ready once this ran, data-report-error
