@@ -24,7 +24,7 @@ from adaptive_eager.dispatch.mode import DeferMode, ReadGuardMode
 from adaptive_eager.dispatch.mode import install_hooks as mode_hooks
 from adaptive_eager.dispatch.opspec import SPECS
 from adaptive_eager.engine import _OWNED, Engine
-from adaptive_eager.events import RUN_LOG
+from adaptive_eager.events import RUN_LOG, Timeline
 from adaptive_eager.metrics import METRICS
 
 log = logging.getLogger("adaptive_eager")
@@ -409,6 +409,7 @@ def metrics() -> dict[str, Any]:
 
 def reset_metrics() -> None:
     METRICS.reset()
+    RUN_LOG.timeline = Timeline()  # its phases are read off the counters (Note [run timeline])
 
 
 def clear_caches() -> None:

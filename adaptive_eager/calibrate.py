@@ -19,7 +19,7 @@ import torch
 from adaptive_eager import compiler
 from adaptive_eager.cache.memory import TRIE
 from adaptive_eager.config import Options
-from adaptive_eager.events import RUN_LOG
+from adaptive_eager.events import RUN_LOG, Timeline
 from adaptive_eager.metrics import METRICS
 
 _N = 200
@@ -63,6 +63,7 @@ def calibrate(lazy_guard: bool = True) -> None:
     # log, as its counts must not reach the metrics. Restored, like METRICS, afterwards.
     saved_misses = {k: {**v, "values": list(v["values"]), "traces": list(v["traces"])}
                     for k, v in RUN_LOG.misses.items()}
+    saved_timeline, RUN_LOG.timeline = RUN_LOG.timeline, Timeline()  # nor its flushes
     engine_log = logging.getLogger("adaptive_eager")  # nor its "trace miss" INFO lines
     old_level = engine_log.level
     engine_log.setLevel(max(logging.WARNING, engine_log.getEffectiveLevel()))
@@ -88,6 +89,7 @@ def calibrate(lazy_guard: bool = True) -> None:
         for k, v in saved.items():
             setattr(METRICS, k, v)
         RUN_LOG.misses = saved_misses
+        RUN_LOG.timeline = saved_timeline
         engine_log.setLevel(old_level)
         for key in set(TRIE.roots) - had_roots:  # the float64 root (and its ambient state)
             TRIE.drop_root(key)

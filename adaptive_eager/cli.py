@@ -156,6 +156,20 @@ def _progress(futures: list, ran: float, steps: int) -> None:
 def cmd_report(ns: argparse.Namespace) -> int:
     from adaptive_eager.report import build_report, format_report
 
+    if ns.html:
+        from adaptive_eager.report_html import write_html
+
+        try:
+            run = write_html(_cache_dir(ns.cache_dir), Path(ns.html), run=ns.run, last=ns.last,
+                             job=ns.job)
+        except LookupError as err:
+            print(f"adaptive-eager: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:
+            print(f"adaptive-eager: cannot write {ns.html}: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote {ns.html} (run {run['run_id']})")
+        return 0
     try:
         rep = build_report(_cache_dir(ns.cache_dir), run=ns.run, last=ns.last, job=ns.job)
     except LookupError as err:
@@ -326,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument("--job", default=None,
                            help="only the runs of one distributed job: its id (or prefix), "
                                 "or 'last' for the newest job")
+            s.add_argument("--html", metavar="FILE", default=None,
+                           help="write the newest selected run as one self-contained HTML page "
+                                "(timeline, time saved, flush causes, payback ledger)")
         else:
             s.add_argument("trace", help="a trace id (or its prefix)")
     c = sub.add_parser("cache", help="list, clear or prune the disk cache")

@@ -6,6 +6,7 @@ Nothing here runs per op. Misses are noted when a trace ends (explain.py says wh
 The runs folder and its files obey the cache trust rule (Note [cache trust rule]): a ``runs`` that
 is a link, or belongs to someone else, is neither written, read nor pruned, and pruning deletes only
 plain files this user owns, by the names this module made, never through a link.
+The run's timeline (``Timeline``, Note [run timeline]) rides in the same file.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import os
 import re
 import stat
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from adaptive_eager import distributed
 from adaptive_eager.cache import trust
+from adaptive_eager.metrics import METRICS
 
 log = logging.getLogger("adaptive_eager")
 
@@ -33,11 +37,135 @@ MAX_ARGV_CHARS = 2000
 _RUN_FILE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}\.jsonl$")
 
 
+# Note [run timeline]
+# ``adaptive-eager report --html`` draws a run as a timeline: when traces ran fused or op by op,
+# when compiles were in flight, when the engine stepped aside. Nothing here runs per op: each
+# flush (explain.note_flush_site) adds its seconds to a time bucket, split at bucket edges, as
+# fused or op-by-op time, and compares a few counters with the last flush's to see phases
+# begin or end. Compiles, stepping aside and waiting aside happen outside flushes (a compile
+# thread, a round end), so their times are those of the flushes that saw them: a compile window
+# opens at the flush that submitted it (whose seconds, spent submitting or compiling, go to the
+# window, not to the run buckets) and closes at the first flush after the last compile in
+# flight finished; an aside spans the last flush before it to the first flush after it (the
+# first trace recorded on return counts as aside). A phase still open when the log is written
+# runs to the log's end. Bounded: at most MAX_BUCKETS buckets (when a run outgrows them,
+# neighbours merge and the width doubles) and MAX_PHASES phases (later ones are counted, not
+# kept). The time between flushes while the engine is on is recording and the program's own
+# Python; the timeline does not tell them apart.
+MAX_BUCKETS = 240
+MAX_PHASES = 400
+FIRST_WIDTH_S = 0.05
+# bucket fields: flushes fused, flushes op by op, seconds fused, seconds op by op, ops fused,
+# ops op by op
+_FUSED, _OP_BY_OP = 0, 1
+
+
+class Timeline:
+    """Per-flush buckets and phase transitions of a run (Note [run timeline])."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.time() if start is None else start
+        self.width = FIRST_WIDTH_S
+        self.buckets: list[list[float]] = []
+        self.phases: list[list[Any]] = []  # [kind, start s, end s, count, compile s]
+        self.dropped = 0
+        self.first: float | None = None  # start of the first flush, seconds from ``start``
+        self.last_end: float | None = None  # end of the newest flush
+        self.seen = [0, 0, 0, 0.0]  # step asides, compile waits, compiles+loads, compile s
+        self.window: list[Any] | None = None  # the open compile window: [start, seen[2:]]
+        self.lock = threading.Lock()
+
+    def note_flush(self, seconds: float, n_ops: int, op_by_op: bool, m: Any) -> None:
+        """One flush that just ended, ``m`` the process's Metrics (read, never written)."""
+        end = time.time() - self.start
+        begin = max(end - seconds, 0.0)
+        with self.lock:
+            if self.first is None:
+                self.first = begin
+            compile_began = self._phases_seen(m, begin, end)
+            # a flush that submitted a compile (or ran one) spent its time on that: the compile
+            # window covers it, the run buckets count it without its seconds
+            self._add(begin, begin if compile_began else end, end,
+                      _OP_BY_OP if op_by_op else _FUSED, n_ops)
+            self.last_end = end
+
+    def _phases_seen(self, m: Any, begin: float, end: float) -> bool:
+        """Phases begun or ended since the last flush; True if a compile began in this one."""
+        for i, kind, now in ((0, "aside", m.step_asides), (1, "waiting", m.compile_waits)):
+            if now > self.seen[i] and self.last_end is not None:
+                self._phase(kind, self.last_end, begin, now - self.seen[i], 0.0)
+            self.seen[i] = now
+        done = m.compiles + m.disk_hits + m.service_shared
+        opened = self.window is None and bool(m.compiles_pending or done != self.seen[2])
+        if opened:
+            self.window = [begin, self.seen[2], self.seen[3]]  # submitted in this flush
+        if self.window is not None and not m.compiles_pending:
+            start, done0, secs0 = self.window
+            # finished inside this flush (compiled here), else before it began
+            self._phase("compiling", start, end if opened else begin, done - done0,
+                        m.compile_seconds - secs0)
+            self.window = None
+        self.seen[2], self.seen[3] = done, m.compile_seconds
+        return opened
+
+    def _phase(self, kind: str, start: float, end: float, n: int, secs: float) -> None:
+        if len(self.phases) >= MAX_PHASES:
+            self.dropped += 1
+            return
+        self.phases.append([kind, round(start, 4), round(max(end, start), 4), n, round(secs, 4)])
+
+    def _add(self, begin: float, end: float, at: float, kind: int, n_ops: int) -> None:
+        """Seconds ``begin``..``end`` into the buckets they cover, the flush counted at ``at``."""
+        while at >= self.width * MAX_BUCKETS:
+            self._coarsen()
+        last = int(at / self.width)
+        b = self.buckets
+        while len(b) <= last:
+            b.append([0, 0, 0.0, 0.0, 0, 0])
+        b[last][kind] += 1
+        b[last][4 + kind] += n_ops
+        i = int(begin / self.width)
+        while i <= last and begin < end:  # a long flush spreads over the buckets it covers
+            part = min(end, (i + 1) * self.width) - max(begin, i * self.width)
+            if part > 0:
+                b[i][2 + kind] += part
+            i += 1
+
+    def _coarsen(self) -> None:
+        """Merge neighbouring buckets: twice the width, half the count."""
+        b = self.buckets
+        self.buckets = [[x + y for x, y in zip(b[i], b[i + 1] if i + 1 < len(b) else [0] * 6)]
+                        for i in range(0, len(b), 2)]
+        self.width *= 2
+
+    def record(self, m: dict) -> dict:
+        """The timeline for the run log; phases still open run to now."""
+        now = time.time() - self.start
+        with self.lock:
+            phases = [list(p) for p in self.phases]
+            last = self.last_end if self.last_end is not None else now
+            for i, kind, key in ((0, "aside", "step_asides"), (1, "waiting", "compile_waits")):
+                if m.get(key, 0) > self.seen[i]:
+                    phases.append([kind, round(last, 4), round(now, 4),
+                                   m[key] - self.seen[i], 0.0, "open"])
+            if self.window is not None:
+                opened, done0, secs0 = self.window
+                done = m.get("compiles", 0) + m.get("disk_hits", 0) + m.get("service_shared", 0)
+                phases.append(["compiling", round(opened, 4), round(now, 4), done - done0,
+                               round(m.get("compile_seconds", 0.0) - secs0, 4), "open"])
+            return {"start": self.start, "end": round(now, 4), "width": self.width,
+                    "first_flush": self.first, "last_flush": self.last_end,
+                    "buckets": [[round(v, 5) if isinstance(v, float) else v for v in row]
+                                for row in self.buckets],
+                    "phases": phases, "phases_dropped": self.dropped}
+
+
 class RunLog:
     def __init__(self) -> None:
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.start = time.time()
         self.misses: dict[tuple, dict] = {}
+        self.timeline = Timeline(self.start)
 
     def add_miss(self, digest: str, n_ops: int, info: dict) -> None:
         group = (info.get("cause"), info.get("op"), info.get("where"), info.get("arg"),
@@ -58,6 +186,7 @@ class RunLog:
         out: list[dict] = [{
             "type": "run", "run_id": self.run_id, "start": self.start, "end": time.time(),
             "argv": bounded_argv(sys.argv), "pid": os.getpid(), "metrics": metrics,
+            "timeline": self.timeline.record(metrics),  # Note [run timeline]
             **distributed.log_fields(),  # a rank's job and remote-store counters (report.py)
         }]
         top = sorted(entries, key=lambda e: e.runs * max(e.n_ops, 1), reverse=True)[:MAX_TRACES]
@@ -83,8 +212,6 @@ class RunLog:
             _prune(runs)
             return runs / name
         except trust.Untrusted as err:
-            from adaptive_eager.metrics import METRICS
-
             METRICS.disk_errors += 1
             log.warning("adaptive_eager: not writing the run log: %s", err)
             return None

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from adaptive_eager.dispatch.lazy import METAS_BY_ID
+from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
 
 _SKIP_DIRS = tuple(
@@ -60,6 +61,7 @@ def note_flush_site(reason: str, n_ops: int, op_by_op: bool, seconds: float) -> 
     if op_by_op:
         row[2] += n_ops
         row[3] += seconds
+    RUN_LOG.timeline.note_flush(seconds, n_ops, op_by_op, METRICS)  # Note [run timeline]
 
 
 def _meta_text(mid: int) -> str:

@@ -78,6 +78,8 @@ def summarize_run(records: list[dict]) -> dict:
                                          "sym_guard_refused", "sym_specialized",
                                          "sym_unfusable", "sym_guards_unknown")},
         "sym_dims": dict(sorted((m.get("sym_dims") or {}).items(), key=lambda kv: -kv[1])[:8]),
+        "flushes": m.get("flushes", 0), "replayed_runs": m.get("replayed_runs", 0),
+        "timeline": head.get("timeline"),  # Note [run timeline] in events.py (report --html)
     }
 
 
