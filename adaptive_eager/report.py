@@ -24,8 +24,8 @@ def summarize_run(records: list[dict]) -> dict:
     hits, missed = m.get("trace_hits", 0), m.get("trace_misses", 0)
     saved = []
     for t in traces:
-        if t.get("replay_ms") is not None and t.get("fused_ms") is not None:
-            per_run = t["replay_ms"] - t["fused_ms"]
+        if op_by_op_ms(t) is not None and t.get("fused_ms") is not None:
+            per_run = op_by_op_ms(t) - t["fused_ms"]
             saved.append({**_trace_row(t), "saved_ms": round(per_run * t.get("fused_runs", 0), 3)})
     saved.sort(key=lambda r: r["saved_ms"], reverse=True)
     ledger = [row for row in (_ledger_row(t) for t in traces) if row is not None]
@@ -101,10 +101,19 @@ def decision_text(decision: str | None) -> str:
 def _trace_row(t: dict) -> dict:
     row = {k: t.get(k) for k in ("trace", "runs", "hits", "n_ops", "state", "decision",
                                  "replay_ms", "fused_ms", "compile_s", "fused_runs")}
+    row["replay_ms"] = op_by_op_ms(t)  # what the saving is weighed against
     row["decision"] = decision_text(row["decision"])
     if row["state"] == "compiling":  # the log is written at exit: that compile never finished
         row["state"] = "compiling when the run ended"
     return row
+
+
+def op_by_op_ms(t: dict) -> float | None:
+    """A trace's op-by-op time to weigh its fused runs against: the runs paired with fused
+    ones (Note [paired timing]) where there are any; the median of all op-by-op runs is mostly
+    the trace's first runs, cold and slower (it counted a 31 ms trace as 99 ms)."""
+    paired = t.get("paired_ms")
+    return paired if paired is not None else t.get("replay_ms")
 
 
 def _ledger_row(t: dict) -> dict | None:
@@ -116,7 +125,7 @@ def _ledger_row(t: dict) -> dict | None:
     compile_s = t.get("compile_s") or 0.0
     if compile_s <= 0:
         return None
-    replay, fused = t.get("replay_ms"), t.get("fused_ms")
+    replay, fused = op_by_op_ms(t), t.get("fused_ms")
     per_run = replay - fused if replay is not None and fused is not None else None
     fused_runs = t.get("fused_runs") or 0
     saved_s = per_run * fused_runs / 1000.0 if per_run is not None else 0.0
@@ -179,8 +188,8 @@ def flush_causes(sites: dict, traces: list[dict]) -> list[dict]:
     ran op by op, less what fused programs took for the same work in this run (the ratio of
     fused to op-by-op time over every trace measured both ways; without one, the op-by-op
     seconds are shown and the loss is unknown)."""
-    pairs = [(t["fused_ms"], t["replay_ms"]) for t in traces
-             if t.get("fused_ms") is not None and t.get("replay_ms")]
+    pairs = [(t["fused_ms"], op_by_op_ms(t)) for t in traces
+             if t.get("fused_ms") is not None and op_by_op_ms(t)]
     ratio = sum(f for f, _ in pairs) / sum(r for _, r in pairs) if pairs else None
     rows = []
     for key, row in sites.items():

@@ -259,9 +259,9 @@ def _saved_section(r: dict) -> str:
                      _num(t["fused_ms"]), t["fused_runs"], _num(t["saved_ms"]), t["decision"]]
                     for t in rows], "saved-table")
     note = ("<p class='note'>Saved: fused runs times (median op-by-op time less median fused "
-            "time), both measured in this run. The op-by-op median is mostly of the runs before "
-            "the compile, the first runs of the trace, which can be slower than later ones; the "
-            "decision column holds the paired timing the engine decided by.</p>")
+            "time), both measured in this run; the op-by-op time is that of the runs paired "
+            "with fused ones, which the engine decided by (the trace's first, colder runs only "
+            "where there are none).</p>")
     return head + _hbars(bars, "ms") + table + note + "</section>"
 
 

@@ -103,6 +103,8 @@ class TraceEntry:
                 "state": self.state, "decision": self.decision,
                 "compile_s": round(self.compile_s, 4),
                 "replay_ms": _median_ms(self.replay_s), "fused_ms": _median_ms(self.fused_s),
+                # op by op between fused runs (Note [paired timing]): what a fused run saves
+                "paired_ms": _median_ms(self.paired_s),
                 "fused_runs": self.fused_runs, "error": self.error}
 
     def op_listing(self, limit: int) -> list[list[str]]:
