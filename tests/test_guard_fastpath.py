@@ -87,9 +87,9 @@ def test_reads_of_a_pending_optimizer_update_equal_eager(reader: str) -> None:
     with ae.adaptive_eager(**_ENGINE):
         got, states = _post_hook_reads(_READS[reader])
     assert got == expected
-    # the reads after warm-up did see a pending update under the armed guard (the test is not
-    # vacuous): the update was recorded, not yet run
-    assert any(n > 0 and armed for n, armed in states[1:]), states
+    # the reads after warm-up did see a pending update (the test is not vacuous): the update
+    # was recorded, not yet run; the guard stayed off the stack (Note [reads of pending writes])
+    assert any(n > 0 for n, _ in states[1:]) and not any(a for _, a in states), states
     assert ae.metrics()["engine_errors"] == 0
 
 
@@ -162,9 +162,10 @@ def test_training_is_bitwise_eager(opt: str) -> None:
     assert not _armed()  # nothing pending after the context: the guard is off the stack
 
 
-def test_no_guard_call_while_a_trace_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [guard off while a trace runs]: the flush disarms the guard before the run, so the
-    engine's own reads while it runs (publish's metadata reads) cost no guard call."""
+def test_pending_writes_make_no_guard_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [reads of pending writes]: an optimizer's pending update of its parameters puts
+    nothing on the function-mode stack, so no torch call of the program or of the engine (a
+    trace's run, publish's metadata reads) pays the guard's round trip."""
     calls: list = []
     orig = mode.ReadGuardMode.__torch_function__
 
@@ -178,6 +179,5 @@ def test_no_guard_call_while_a_trace_runs(monkeypatch: pytest.MonkeyPatch) -> No
         got = _train(_OPTIMIZERS["adamw_foreach"])
     assert [float(v) if not isinstance(v, torch.Tensor) else v.tolist() for v in got] == \
         [float(v) if not isinstance(v, torch.Tensor) else v.tolist() for v in expected]
-    assert calls, "the guard was never armed: the test sees nothing"
-    during_run = [f for f, flushing in calls if flushing]
-    assert not during_run, during_run[:10]
+    assert ae.metrics()["ops_deferred"] > 0  # the updates were recorded, so pending a while
+    assert not calls, calls[:10]

@@ -203,12 +203,14 @@ def test_no_stale_read_with_the_guard_disarmed(reader: str) -> None:
     assert got == expected
     m = ae.metrics()
     assert m["ops_deferred"] > 0
-    # disarmed before each write; armed by the deferred write once the ops are recorded
-    assert all(not before for before, _ in states), states
-    assert any(after for _, after in states), states
+    # the deferred writes left the function-mode stack alone: the reader's own method flushed
+    # first (Note [reads of pending writes])
+    assert not any(before or after for before, after in states), states
 
 
-def test_guard_arms_and_disarms() -> None:
+def test_pending_writes_leave_the_guard_off() -> None:
+    """Note [reads of pending writes]: neither recording nor a pending write to a real tensor
+    puts the guard on the stack."""
     x, y = torch.zeros(16), torch.ones(16)
     p = torch.zeros(4)
     with ae.adaptive_eager(backend="replay", step_aside=False):
@@ -221,20 +223,19 @@ def test_guard_arms_and_disarms() -> None:
         assert ae.metrics()["guard_arms"] == 0
         for i in range(3):
             p.add_(z[:4])
-            if i:  # recorded (the first sight ran eagerly)
-                assert _guard_on_stack()
-            arms = ae.metrics()["guard_arms"]
+            if i:  # recorded (the first sight ran eagerly): pending
+                assert ae.api._state.engine.ext_writes and not _guard_on_stack()
             ae.sync()
             assert not _guard_on_stack()
         m = ae.metrics()
-        assert m["guard_arms"] == arms >= 1 and m["guard_disarms"] == m["guard_arms"]
+        assert m["guard_arms"] == 0 and m["guard_disarms"] == 0
     assert not _guard_on_stack()
     assert p.tolist() == [60.0] * 4
 
 
-def test_grad_accumulated_in_a_backward_node_is_guarded() -> None:
-    """AccumulateGrad writes a kept ``.grad`` in place inside an autograd node, where the stack
-    changes vanish after the node: the guard is armed again when backward returns."""
+def test_grad_accumulated_in_a_backward_node_is_read_fresh() -> None:
+    """AccumulateGrad writes a kept ``.grad`` in place inside an autograd node; a read of it
+    after backward sees the write (the reader flushes first), with no guard on the stack."""
     def run(stacks: list | None) -> list:
         torch.manual_seed(0)
         w = torch.randn(4, requires_grad=True)
@@ -254,7 +255,7 @@ def test_grad_accumulated_in_a_backward_node_is_guarded() -> None:
     with ae.adaptive_eager(backend="replay", step_aside=False, check=True):
         got = run(stacks)
     assert got == expected
-    assert any(stacks), stacks
+    assert not any(stacks), stacks
 
 
 def test_func_transforms_with_the_guard_disarmed_at_entry() -> None:
@@ -296,7 +297,7 @@ def test_data_assignment_of_a_lazy_value_with_the_guard_disarmed() -> None:
             with torch.no_grad():
                 p.add_(w)  # a deferred write to p's current storage
             if check:
-                assert _guard_on_stack() or i == 0
+                assert not _guard_on_stack()
             p.data = w * (i + 2.0)  # a lazy value (trap 2): stored as its real value
             assert type(p) is torch.nn.Parameter and type(p.data) is torch.Tensor
             outs += [(p * 1).tolist(), old.tolist()]

@@ -360,12 +360,11 @@ def _copies_to_other_device(args: tuple, kwargs: dict) -> bool:
 # ReadGuardMode (a TorchFunctionMode) costs a Python round trip on every torch call made under it:
 # 9.9k instructions of a recorded add's 54k, more than eager's whole add (9.6k). Its duties matter
 # only at times, so by default it is on the function-mode stack ("armed") only then:
-# - a tensor from outside the pending trace has pending writes (a deferred in-place op, out= op or
-#   optimizer update on a parameter, a buffer, or a lazy tensor that already holds its value):
-#   Python-level reads of its memory (print, numpy, tolist, data_ptr, storages, pickling, device
-#   moves) must flush first (DESIGN trap 12). Engine.record arms it at the first such write of a
-#   trace (OpSpec.writes); the flush that runs the trace disarms it. Reads through aten ops (item,
-#   equal, indexing, copies) need no guard: the dispatch mode sees them.
+# - (no longer) a tensor from outside the pending trace has pending writes: Python-level reads of
+#   its memory must flush first (DESIGN trap 12); the methods that read it are wrapped instead
+#   (Note [reads of pending writes]), and with ``lazy_guard=False`` the always-armed guard does it.
+#   Reads through aten ops (item, equal, indexing, copies) need no guard: the dispatch mode sees
+#   them.
 # - inside torch.func transforms (Note [functorch transforms]): functorch's nesting entry points
 #   (vmap, grad/vjp, jvp, functionalize) are wrapped to arm it on entry and disarm on exit.
 # The rest of its duties moved to places that cost nothing on other calls: the methods that hand
@@ -441,7 +440,9 @@ class ReadGuardMode(TorchFunctionMode):
         self.sync()
 
     def wanted(self) -> bool:
-        return self.present and (self.always or self.engine.ext_writes or _transforms_active())
+        # pending writes to tensors from outside the trace need no guard: the methods that
+        # read their memory in Python flush first (Note [reads of pending writes])
+        return self.present and (self.always or _transforms_active())
 
     def sync(self) -> None:
         """Arm or disarm as wanted, where that can be done now (Note [read guard])."""
@@ -708,6 +709,39 @@ def _exposing_hook(orig: Any, name: str) -> Any:
     return exposing
 
 
+# Note [reads of pending writes]
+# A deferred write to a tensor from outside the trace (``a += b`` on a real ``a``, an optimizer
+# update, a BatchNorm buffer) is pending until the next flush. Reads of ``a`` through aten ops
+# reach the dispatch mode, which runs them after the write; the Python-level methods that read its
+# memory without an aten op (``_EXPOSING``, and ``_READING``: ``tolist``, ``print``/``format``,
+# pickling, ``deepcopy``) are wrapped on torch.Tensor to flush first. That was the armed read
+# guard's duty (Note [read guard]); as a mode on the torch-function stack it stayed there in the
+# user's code from the write to the next flush, so a program that ended a function (a test) with
+# a write pending and no read after it left "torch function mode stack was leaked" behind
+# (test_autograd's in-place tests: ``a += b; self.assertTrue(a.requires_grad)``), and every torch
+# call in between paid the mode's round trip. The wrappers cost one check of the dispatch stack
+# per call and flush only while the engine's trace holds such a write.
+_READING = ("tolist", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__")
+
+
+def _reading_hook(orig: Any, name: str) -> Any:
+    reason = f"read:{name}"
+
+    @functools.wraps(orig)
+    def reading(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        n = _len_dispatch()
+        if n:  # only from user code under an active engine (its own calls, inside the
+            mode = _dispatch_at(n - 1)  # dispatch handler, find its mode off the stack)
+            if type(mode) is DeferMode:
+                eng = mode.engine
+                if eng.ext_writes and eng.trace.ops and not eng.busy and not eng.flushing:
+                    eng.flush(reason)
+        return orig(self, *args, **kwargs)
+
+    reading._ae_hook = True  # type: ignore[attr-defined]
+    return reading
+
+
 def _escape(t: torch.Tensor, out: Any) -> None:
     """The memory of ``t`` now reaches ``out`` (an array: for its life; a capsule: for the
     storage's), unless ``out`` is a copy (``numpy(force=True)`` of a conj view)."""
@@ -789,6 +823,13 @@ def _install_wrappers() -> None:
             wrapper = _exposing_hook(orig, name)
             setattr(_T, name, wrapper)
             _SPECIAL[wrapper] = _READ  # the always-armed guard reads as before
+    for name in _READING:  # Note [reads of pending writes]
+        orig = getattr(_T, name)
+        if not getattr(orig, "_ae_hook", False):
+            wrapper = _reading_hook(orig, name)
+            setattr(_T, name, wrapper)
+            _SPECIAL[wrapper] = _READ
+            _SPECIAL_LAZY[wrapper] = _READ  # armed in a transform: reads as before
 
 
 _install_wrappers()
