@@ -22,6 +22,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+try:  # Note [graph code on demand]
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # a torch without it: the code is generated at once, as before
+    _GraphModule = fx.GraphModule
+
 from adaptive_eager.dispatch import ambient
 from adaptive_eager.dispatch.lazy import LazyTensor
 from adaptive_eager.trace import Slot, Trace
@@ -327,6 +332,12 @@ class Unfusable(Exception):
     """The trace cannot become a fused program (it stays op by op)."""
 
 
+# Note [graph code on demand]
+# A GraphModule generates and compiles its Python code when made: 25-50 ms for the two 240-290-op
+# traces of a small transformer step here, in the flushing thread, at the step that sends them
+# to the compile service, which never runs that code (the graph travels as its nodes, and the
+# helper makes its own module). torch.fx's _LazyGraphModule (what Dynamo hands Inductor)
+# generates it at the first call or ``.code`` instead; Inductor makes it real before compiling.
 @dataclasses.dataclass
 class TraceGraph:
     gm: fx.GraphModule
@@ -366,7 +377,7 @@ class TraceGraph:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        state["gm"] = fx.GraphModule(torch.nn.Module(), _graph_from_nodes(state["gm"]))
+        state["gm"] = _GraphModule(torch.nn.Module(), _graph_from_nodes(state["gm"]))
         self.__dict__.update(state)
 
     def scalars_hold(self, scalars: list[Any]) -> bool:
@@ -619,7 +630,7 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
     if missing:
         raise Unfusable(f"live slots {missing} have no producer")
     g.output(tuple(env[s] for s in live))
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm = _GraphModule(torch.nn.Module(), g)  # Note [graph code on demand]
     tensors = _tensor_inputs(plan, reals)
     assert tensors is not None
     return TraceGraph(gm=gm, plan=plan, offsets=offsets, lifted=lifted,
