@@ -4,7 +4,8 @@ Note [adaptive decisions]
 Each trace entry moves through states:
   new        runs op by op; its replay time and which Python numbers vary are observed.
   compiling  seen ``hot_after`` times: compiled in the helper process while the program keeps
-             running op by op, or at that flush in this process (Note [in-process compiles]).
+             running op by op, or at that flush in this process (Note [in-process compiles]
+             in compile/jobs.py).
   measuring  program ready (compiled, or loaded from the disk cache): the next runs use it and
              are timed; the first (warm-up) call is not counted.
   fused      measured faster than op-by-op replay, recording overhead included: kept.
@@ -15,47 +16,6 @@ Each trace entry moves through states:
              later processes retry transient failures (Note [persisted decisions]).
   quarantined the crosscheck found the fused result differs from op-by-op replay.
 A program is used only for runs whose live slots it returns and whose baked-in numbers still hold.
-
-Note [in-process compiles]
-Inductor's compile changes process-wide state while it runs: it saves the global RNG states and
-restores them at the end (a program drawing numbers meanwhile on another thread has its stream
-rewound: draw 2695 came back as draw 1059), and torch.fx's tracer patches ``nn.Module.__call__``
-and friends (the program's module calls on another thread ran through the patch: NameError in
-user code). No lock the engine takes can shield the user's own Python from that. So a compile
-in this process never runs beside the program: it runs in the flushing thread, at the flush
-that wants it (the program waits, as with compile_async off), inside ``_compile_guard``, which
-also restores the CPU (and initialized CUDA) RNG states and Python's ``random`` state after it.
-Only work that touches no such state runs in the background worker: waiting on the helper
-process's answer (the compile proper runs there, Note [compile process]), storing the bytes it
-sent, and deserializing programs. A helper that fails hands the compile back to the next flush.
-Measured here (fx-patch reproducer: 16 Linear+Tanh blocks, SGD, 2 cores shared with other
-work): 6 in-process compiles, no error in user code, 171 s of wall time for 18 steps (about 25 s
-of waiting per compile). In a thread the same compiles slowed every step 3.4x for as long
-(benchmarks/compile_stall.py) and broke the program; the helper process (the default) costs the
-program neither.
-
-Note [compile worker]
-The background worker is one daemon thread of this module, not a ThreadPoolExecutor (whose
-workers concurrent.futures joins at exit: a compile pending at exit held the process for
-seconds to minutes, then stored nothing). When the program's main thread ends
-(``threading._register_atexit``, before non-daemon threads are joined), work still queued or
-running is dropped, the helper is abandoned, and one line on stderr says how many compiles and
-that the next run compiles them (their traces are marked hot on disk at submit). The worker imports
-nothing itself: the compiler's modules are imported in the program's thread (``_import_compiler``,
-0.9-2.4 s here on a 2-core machine, paid once). A background import raced the program's own
-``import torch._dynamo`` (which any torch.optim optimizer does) and raised "partially initialized
-module" ImportErrors in user code; and a load that imports late, during shutdown, failed to
-register its atexit hook.
-
-Note [import when a program lands]
-Sending a trace to the compile service or a helper needs none of the compiler's modules; only
-loading the program it sends back does. So the import waits for the first program to land: the
-worker stores the bytes and hands them back unloaded (``_Landed``) while the compiler is not
-imported yet, and the flushing thread imports and loads at the trace's next run. A cold run that
-ends before its first program lands (a 200-step script beside a 40 s cold compile) never pays
-the import: it cost every such run 0.8-1.5 s of a 1-3 s whole run here, in its fifth step. A
-run that gets a program pays it once, at a step it was going to run faster from. Programs from
-disk (Note [warm start]) still import first, in the program's thread, before the worker loads.
 
 Note [persisted decisions]
 Statistics on disk carry evidence with an age. A failure records its stage, error, whether it is
@@ -77,19 +37,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import math
 import os
-import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from adaptive_eager.spans import span
 from adaptive_eager import graph as graph_mod
@@ -98,11 +54,15 @@ from adaptive_eager.cache import remote as remote_cache  # Note [remote program 
 from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
+from adaptive_eager.compile.jobs import (_LOAD_HERE, COMPILE_HERE, WORKER, Jobs, Transport,
+                                         _Landed, outside_modes)
+from adaptive_eager.compile.jobs import _compile_guard, _Worker  # noqa: F401 (their old home)
 from adaptive_eager.compile.sizes import SizeHooks, Sizes
-from adaptive_eager.compile.sizes import SYM_CHECKED_SIZES, ShapeGuards  # noqa: F401 (their old home)
+from adaptive_eager.compile.sizes import SYM_CHECKED_SIZES, ShapeGuards  # noqa: F401 (old home)
 from adaptive_eager.config import Options
 from adaptive_eager.compile_process import (HELPER, CompileFailed, HelperFailed,
-                                            failure_is_transient, request_bytes)
+                                            failure_is_transient, fast_vec_isa_pick,
+                                            request_bytes)
 from adaptive_eager import service as service_mod
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.program_key import program_key  # Note [program key]
@@ -144,80 +104,6 @@ _SAMPLES = 8  # per-process measurements kept in a trace's statistics
 # state changes under this lock (two threads, two contexts: one thread's pickup of a finished
 # compile set entry.future to None under the other's feet).
 STATE_LOCK = threading.RLock()
-# One compile in this process at a time (Inductor's own state is process-wide too).
-_LOCAL_COMPILE = threading.Lock()
-
-
-class _CompileHere:
-    """A worker job's answer meaning: compile this trace in this process, at the next flush."""
-
-
-COMPILE_HERE = _CompileHere()
-
-
-@contextlib.contextmanager
-def outside_modes() -> Iterator[None]:
-    """Run compiler code with no torch-function or dispatch mode of this thread active.
-
-    Inductor runs tensor ops of its own (fake tensors, constant folding); under the engine's modes
-    they would be recorded as if the user had written them.
-    """
-    with _disable_current_modes():
-        funcs = [torch._C._pop_torch_function_stack()
-                 for _ in range(torch._C._len_torch_function_stack())]
-        try:
-            yield
-        finally:
-            for mode in reversed(funcs):
-                torch._C._push_on_torch_function_stack(mode)
-
-
-@contextlib.contextmanager
-def _compile_guard() -> Iterator[None]:
-    """Around a compile in this process (Note [in-process compiles]): the program's random
-    streams are as they were before it."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    py = random.getstate()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        random.setstate(py)
-
-
-@contextlib.contextmanager
-def progress(label: str, stream: Any = None) -> Iterator[None]:
-    """On a terminal, show a long compile as it goes (which trace, seconds so far); else quiet."""
-    out = stream if stream is not None else sys.stderr
-    if not getattr(out, "isatty", lambda: False)():
-        yield
-        return
-    done = threading.Event()
-    start = time.perf_counter()
-
-    def tick() -> None:
-        while not done.wait(1.0):
-            elapsed = time.perf_counter() - start
-            if elapsed >= 2.0:
-                out.write(f"\radaptive_eager: compiling {label} ... {elapsed:.0f}s")
-                out.flush()
-
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
-    try:
-        yield
-    finally:
-        done.set()
-        ticker.join()
-        elapsed = time.perf_counter() - start
-        if elapsed >= 2.0:
-            out.write(f"\radaptive_eager: compiled {label} in {elapsed:.1f}s\n")
-            out.flush()
-
-
 def _run_time(entry: TraceEntry) -> float:
     """A trace's time per run (Note [rare traces]): the best of its recent op-by-op runs (a
     cold first replay took 2-3x a warm one), else of its fused runs; 0.0: unknown."""
@@ -282,215 +168,6 @@ def _at_one_size(fused_s: list[float], fused_n: list[int], paired_s: list[float]
     return max(fused, floor), max(replay, floor)
 
 
-# ---- the background worker (Note [compile worker]) ----------------------------------------------
-class _Worker:
-    """One daemon thread running jobs in order; dropped, not joined, when the program ends."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: collections.deque = collections.deque()
-        self._thread: threading.Thread | None = None
-        self._running: tuple | None = None
-        self.closed = False
-        self._pid = os.getpid()
-
-    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "") -> \
-            concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            if self._pid != os.getpid():  # a forked child: its parent's thread is not here
-                self._thread, self._jobs, self._pid = None, collections.deque(), os.getpid()
-            if self.closed:
-                fut.cancel()
-                return fut
-            self._jobs.append((fut, fn, args, label))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="adaptive_eager-compile")
-                self._thread.start()
-                _register_exit_hook()
-            self._cond.notify()
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self.closed:
-                    self._cond.wait()
-                if self.closed:
-                    return
-                job = self._running = self._jobs.popleft()
-            fut, fn, args, _ = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as err:  # noqa: B036 - handed to whoever reads the future
-                    if not self.closed:
-                        fut.set_exception(err)
-                else:
-                    if not self.closed:
-                        fut.set_result(result)
-            with self._cond:
-                self._running = None
-                self._cond.notify_all()
-
-    def is_current(self) -> bool:
-        """Whether the caller runs in the worker's thread."""
-        return self._thread is not None and threading.current_thread() is self._thread
-
-    def pending(self) -> list[str]:
-        """Labels of the compiles queued or running (loads and warm-ups have no label)."""
-        with self._cond:
-            jobs = list(self._jobs) + ([self._running] if self._running is not None else [])
-        return [j[3] for j in jobs if j[3]]
-
-    def close(self) -> list[str]:
-        """Stop taking work; what was pending is dropped (returned by label)."""
-        if self._pid != os.getpid():  # a forked child (a DataLoader worker) exiting: those
-            self.closed = True  # jobs are its parent's, to report there (and the lock may be
-            return []  # held by a thread that does not exist here)
-        with self._cond:
-            dropped = self.pending()
-            self.closed = True
-            for fut, *_ in self._jobs:
-                fut.cancel()
-            self._jobs.clear()
-            self._cond.notify_all()
-        return dropped
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Until the jobs submitted so far have run."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while (self._jobs or self._running is not None) and not self.closed:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("compiles still running")
-                self._cond.wait(left)
-
-
-WORKER = _Worker()
-# Requests the compile service is answering: id -> (label, cache dir, socket, requester pid).
-_SERVICE_PENDING: dict[int, tuple[str, str, Any, int]] = {}
-_SERVICE_LOCK = threading.Lock()
-_service_broken: str | None = None  # why this process stopped using the service (logged once)
-_exit_hook_registered = False
-_imported = False  # the compiler's modules were imported in a program thread
-_compiler_ready = False  # ... and that import has finished: the worker may load programs
-
-
-_LOAD_HERE = object()  # _compiled's answer: load the landed program in this thread
-
-
-class _Landed:
-    """A program's bytes the worker could not load yet (Note [import when a program lands])."""
-
-    __slots__ = ("data", "graph")
-
-    def __init__(self, data: bytes, graph: Any) -> None:
-        self.data = data
-        self.graph = graph
-
-
-def _preload() -> None:
-    """Import, in the worker and long before exit, what loading a program imports: one of those
-    modules registers an exit hook, which fails once shutdown began."""
-    try:
-        import concurrent.futures.process  # noqa: F401
-        import concurrent.futures.thread  # noqa: F401
-    except Exception:  # never fatal: a late load then fails and is dropped
-        pass
-
-
-def _import_dynamo_first() -> None:
-    """Import torch._dynamo, whole, before anything of torch._inductor: the other order takes
-    their module locks the other way round from a program thread's ``import torch._dynamo`` (any
-    torch.optim optimizer does it), and importlib raised _DeadlockError or "partially initialized
-    module" in one of the two threads (two threads, two engines)."""
-    import torch._dynamo  # noqa: F401
-
-
-def _register_exit_hook() -> None:
-    global _exit_hook_registered
-    if _exit_hook_registered:
-        return
-    _exit_hook_registered = True
-    try:
-        threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
-    except RuntimeError:  # already shutting down
-        pass
-
-
-def _at_exit() -> None:
-    """The program's main thread ended: compiles with the service go on there (Note [compile
-    service]); the others are dropped. Say so once each, do not wait."""
-    dropped = WORKER.close()
-    with _SERVICE_LOCK:
-        # a forked child's copy names its parent's requests: never shut those sockets down
-        continuing = [v for v in _SERVICE_PENDING.values() if v[3] == os.getpid()]
-        _SERVICE_PENDING.clear()
-    for _, _, sock, _ in continuing:
-        try:  # wakes the worker blocked on the answer; the service keeps compiling
-            sock.shutdown(2)
-        except OSError:
-            pass
-    if continuing:
-        n = len(continuing)
-        labels = [c[0] for c in continuing]
-        try:
-            sys.stderr.write(
-                f"adaptive_eager: {n} compile{'s' if n != 1 else ''} continue{'' if n != 1 else 's'}"
-                f" in the compile service ({', '.join(labels[:3])}{', ...' if n > 3 else ''}); "
-                f"the programs land in {continuing[0][1]} for the next run\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
-    service_labels = {c[0] for c in continuing}
-    dropped = [d for d in dropped if d not in service_labels]
-    if not dropped:
-        return
-    _abandon_helper()
-    n = len(dropped)
-    try:
-        sys.stderr.write(f"adaptive_eager: {n} compile{'s' if n != 1 else ''} still pending at "
-                         f"exit dropped ({', '.join(dropped[:3])}{', ...' if n > 3 else ''}); "
-                         "the next run compiles them at once (marked hot on disk)\n")
-        sys.stderr.flush()
-    except Exception:
-        pass
-
-
-def _has_user_ops(g: graph_mod.TraceGraph) -> bool:
-    """A graph calling ops outside torch's own namespaces (Note [custom ops]): the helper,
-    started isolated, cannot import the library that defines them, so it compiles here."""
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and n.target.namespace not in _TORCH_NAMESPACES for n in g.gm.graph.nodes)
-
-
-_TORCH_NAMESPACES = frozenset({"aten", "prims", "quantized", "_quantized", "inductor"})
-
-
-def _abandon_helper() -> None:
-    """Kill a helper still compiling for us: its answer would come too late, and a daemon
-    thread blocked reading its pipe holds that file's lock, which interpreter finalization
-    then waits for (measured: 8 s after the last atexit hook, until the helper finished)."""
-    try:
-        HELPER.abandon()
-    except Exception:
-        pass
-
-
-def _service_failed(why: str) -> None:
-    """The compile service cannot be used by this process: compile in a helper of our own from
-    now on (Note [compile service]); counted, logged once."""
-    global _service_broken
-    M.service_errors += 1
-    if _service_broken is None:
-        _service_broken = why
-        log.warning("adaptive_eager: the compile service is unavailable (%s); compiling in a "
-                    "helper of this process instead", why)
-
-
 def _script_id() -> str:
     """The program's script, as the statistics name it (prefetch, Note [warm start])."""
     arg = sys.argv[0] if sys.argv else ""
@@ -523,6 +200,14 @@ def _program_inputs(g: graph_mod.TraceGraph, trace: Trace) -> list[Any] | None:
         return g.inputs([t.detach() for t in ext_reals(trace)], trace.scalars)
 
 
+# The compile helper and the compile service, for the jobs (compile/jobs.py imports neither).
+_TRANSPORT = Transport(
+    helper=HELPER, helper_failed=HelperFailed, compile_failed=CompileFailed,
+    request_bytes=request_bytes, request=service_mod.request, recv_msg=service_mod.recv_msg,
+    unavailable=service_mod.ServiceUnavailable, sync_compiles=distributed.sync_compiles,
+    vec_isa_pick=fast_vec_isa_pick)
+
+
 def _transient(err: BaseException) -> bool:
     """A failure a later process may not see (Note [persisted decisions], Note [transient
     compile failures] in compile_process.py)."""
@@ -550,6 +235,7 @@ class CompileManager:
         self.sizes = Sizes(SizeHooks(  # Note [trusting a size], Note [verified sizes]
             replay=_replay, close=_close, program_inputs=_program_inputs,
             quarantine=self.quarantine, untimed=self._untime, save=self._save_sizes))
+        self.jobs = Jobs(self, _TRANSPORT, STATE_LOCK)  # where compiles run
         self._untimed: TraceEntry | None = None  # a checked run: not the program's time
         self.decided: list[TraceEntry] = []
         self.flushes = 0
@@ -558,12 +244,9 @@ class CompileManager:
         self.hits = 0
         self.probe_start: int | None = None
         self.kept_at_probe = 0
-        self.in_flight: list[concurrent.futures.Future] = []
         self._stored_fused: dict[str, float] = {}  # digest -> fused s of a stored op-by-op
         self._remeasure: set[str] = set()  # digests whose stored op-by-op is being re-measured
-        self._here: set[str] = set()  # digests the helper could not take: compiled here
         self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
-        self._submitted: dict[str, float] = {}  # digest -> when its compile or load began
         self._measuring_since: dict[tuple, int] = {}  # Note [undecided means measuring too]
         self._recent: collections.deque = collections.deque(maxlen=RARE_WINDOW)  # flushes' entries
         self._rare_seen: dict[str, tuple[int, int]] = {}  # digest -> (flush, runs it needs)
@@ -578,6 +261,15 @@ class CompileManager:
             if self.disk is not None:
                 self._prefetch()
 
+    @property
+    def in_flight(self) -> list[concurrent.futures.Future]:
+        """Compiles and loads submitted to the worker (some may be done)."""
+        return self.jobs.in_flight
+
+    @in_flight.setter
+    def in_flight(self, futures: list[concurrent.futures.Future]) -> None:
+        self.jobs.in_flight = futures
+
     # ---- warm start (Note [warm start]) -------------------------------------------------------
     def _prefetch(self) -> None:
         """Load, in the worker, the programs this script used in its recent runs, so the first
@@ -590,7 +282,7 @@ class CompileManager:
             return
         if not keys:
             return
-        self._import_compiler()  # in this (the program's) thread, before the worker loads
+        self.jobs.import_compiler()  # in this (the program's) thread, before the worker loads
         for key in keys:
             self._prefetched[key] = WORKER.submit(self._prefetch_one, key)
 
@@ -614,32 +306,6 @@ class CompileManager:
             return fut.result(timeout=PREFETCH_WAIT_S)
         except Exception:  # failed or slow: loaded (or compiled) the ordinary way instead
             return None
-
-    def _import_compiler(self) -> None:
-        """Import what compiling and loading need, in the program's thread, before any of it
-        runs in the worker (Note [compile worker]: imports racing the program's own)."""
-        global _imported, _compiler_ready
-        if _imported:
-            return
-        _imported = True
-        start = time.perf_counter()
-        with outside_modes():
-            _preload()
-            warm_up = getattr(self.backend, "warm_up", None)
-            try:
-                _import_dynamo_first()
-                if warm_up is not None:
-                    warm_up()
-                if self.backend.name == "inductor":  # what deserializing a program imports
-                    import torch._inductor.codegen.wrapper  # noqa: F401
-
-                    from adaptive_eager.compile_process import fast_vec_isa_pick
-
-                    fast_vec_isa_pick()  # loading probes it too (Note [helper warm-up])
-            except Exception as err:  # the compile or load that needs it reports it
-                log.info("adaptive_eager: importing the compiler failed: %s", err)
-        _compiler_ready = True
-        log.info("adaptive_eager: compiler imported in %.2fs", time.perf_counter() - start)
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
@@ -736,9 +402,9 @@ class CompileManager:
                     return self._program_for(entry, trace, live)
         if local is not None:  # outside the lock: other threads' flushes go on meanwhile
             if local[0] is _LOAD_HERE:
-                self._load_landed(entry, local[1], local[2])
+                self.jobs.load_landed(entry, local[1], local[2])
             else:
-                self._compile_here(entry, *local)
+                self.jobs.compile_here(entry, *local)
             with STATE_LOCK:
                 if entry.state in ("measuring", "fused") and set(live) <= entry.program_live \
                         and entry.graph.scalars_hold(trace.scalars):
@@ -880,223 +546,21 @@ class CompileManager:
         if self.disk is not None:  # hot (the next run compiles or loads it at once), and the
             # program's key for the next run's prefetch (Note [warm start])
             self.save_stats(entry, hot=True, program_key=self._program_key(entry, g))
-        self._submitted[entry.digest] = time.perf_counter()
-        if (self._use_helper(entry) and self.options.compile_async
+        self.jobs.submitted[entry.digest] = time.perf_counter()
+        if (self.jobs.use_helper(entry) and self.options.compile_async
                 and not distributed.sync_compiles()):  # Note [ranks agree]
             label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
             # Sent now, before the compiler's modules are imported here: the service compiles
             # meanwhile, and the request outlives this process (Note [compile service]).
-            sock = self._send(entry, g, label) if self._use_service(entry) else None
+            sock = self.jobs.send(entry, g, label) if self.jobs.use_service(entry) else None
             if sock is not None:
-                self._start(entry, self._await_service, sock, g, entry, label=label)
+                self.jobs.start(entry, self.jobs.await_service, sock, g, entry, label=label)
             else:
-                self._start(entry, self._compile_remote, g, entry, label=label)
+                self.jobs.start(entry, self.jobs.compile_remote, g, entry, label=label)
             return None
         entry.state = "compiling"
         entry.future = None  # nobody else picks it up while this thread compiles
         return (g,)
-
-    def _use_helper(self, entry: TraceEntry) -> bool:
-        return (self.options.compile_process and getattr(self.backend, "separate_process", False)
-                and not entry.in_process and HELPER.broken is None
-                and entry.digest not in self._here
-                and not (entry.graph is not None and _has_user_ops(entry.graph)))
-
-    def _start(self, entry: TraceEntry, work: Any, *args: Any, label: str = "") -> None:
-        """Run a helper compile or a load in the worker thread (now, with compile_async off).
-        Nothing is imported for it (Note [import when a program lands])."""
-        entry.state = "compiling"
-        with STATE_LOCK:
-            M.compiles_pending += 1
-        if not self.options.compile_async or distributed.sync_compiles():  # Note [ranks agree]
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                fut.set_result(work(*args))
-            except Exception as err:
-                fut.set_exception(err)
-            entry.future = fut
-            self._finished(fut)
-            return
-        entry.future = WORKER.submit(work, *args, label=label)
-        entry.future.add_done_callback(self._finished)
-        self.in_flight.append(entry.future)
-
-    def _compile_here(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> None:
-        """Compile in this process, in the flushing thread (Note [in-process compiles])."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._import_compiler()
-        with STATE_LOCK:
-            M.compiles_pending += 1
-        try:
-            with _LOCAL_COMPILE:
-                if self._use_helper(entry):  # compile_async off: wait on the helper instead
-                    fut.set_result(self._compile_remote(g, entry))
-                else:
-                    fut.set_result(self._compile(g, entry))
-        except Exception as err:
-            fut.set_exception(err)
-        except BaseException:  # KeyboardInterrupt mid-compile: the trace may compile later
-            with STATE_LOCK:
-                entry.state = "new"
-            raise
-        finally:
-            self._finished(fut)
-        with STATE_LOCK:
-            entry.future = fut
-            again = self._compiled(entry)
-        if again is not None:  # the helper failed on the way: compile here after all
-            self._compile_here(entry, *again)
-
-    def _load_landed(self, entry: TraceEntry, landed: _Landed, seconds: float) -> None:
-        """Import the compiler and load a program the worker left unloaded, in the flushing
-        thread (Note [import when a program lands])."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            fut.set_result((self._load_compiled(landed.data, landed.graph, entry), seconds))
-        except Exception as err:
-            fut.set_exception(err)
-        with STATE_LOCK:
-            entry.future = fut
-            self._compiled(entry)
-
-    def _compile(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> tuple[Any, float]:
-        """Compile in this process and store the program on disk."""
-        start = time.perf_counter()
-        label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
-        with outside_modes(), _compile_guard(), span("adaptive_eager.compile"), progress(label):
-            program = self.backend.compile(g)
-        seconds = time.perf_counter() - start
-        if g.dynamic:
-            M.sym_programs += 1
-        entry.from_bytes = False
-        M.compiles += 1
-        M.compile_seconds += seconds
-        self._store(entry, g, program, seconds)
-        return program, seconds
-
-    def _compile_remote(self, g: graph_mod.TraceGraph, entry: TraceEntry,
-                        service: bool = True) -> Any:
-        """In the worker: the service or the helper compiles; the bytes go to disk first (a
-        process that ends before using them still leaves them for the next run), then load."""
-        if service and self._use_service(entry):
-            sock = self._send(entry, g, f"trace {entry.digest[:12]} ({g.n_ops} ops)")
-            if sock is not None:
-                return self._await_service(sock, g, entry)
-        start = time.perf_counter()
-        try:
-            data, _ = HELPER.compile(self.backend, g)
-        except HelperFailed:  # counted and logged once by the helper's client
-            self._here.add(entry.digest)  # this request only, perhaps: never ask again for it
-            return COMPILE_HERE
-        seconds = time.perf_counter() - start
-        M.compiles += 1  # counted here: a process may end before a flush picks the program up
-        M.compile_seconds += seconds
-        if g.dynamic:
-            M.sym_programs += 1
-        self._store(entry, g, None, seconds, data)
-        return self._load_compiled(data, g, entry), seconds
-
-    def _load_compiled(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
-        if not _compiler_ready:  # Note [import when a program lands]
-            if WORKER.is_current():
-                return _Landed(data, g)
-            self._import_compiler()
-        start = time.perf_counter()
-        with outside_modes(), span("adaptive_eager.load"):
-            program = self.backend.load(data, g)
-        M.compile_load_seconds += time.perf_counter() - start
-        entry.from_bytes = True
-        self._note_ready(entry)
-        return program
-
-    def _note_ready(self, entry: TraceEntry) -> None:
-        """How long the trace waited, from its submit, for a program (metrics, report)."""
-        began = self._submitted.pop(entry.digest, None)
-        if began is None:
-            return
-        waited = time.perf_counter() - began
-        M.compile_wait_seconds += waited
-        if len(M.program_waits) < 200:
-            M.program_waits[entry.digest[:12]] = round(waited, 3)
-
-    # ---- the compile service (Note [compile service] in service.py) ---------------------------
-    def _use_service(self, entry: TraceEntry) -> bool:
-        """Only the built-in Inductor backend goes to the shared service (a backend defined by
-        one program is that program's code: its own helper runs it), and only with a writable
-        disk cache (the service stores what it compiles there)."""
-        from adaptive_eager.backends.inductor import InductorBackend
-
-        return (self.options.compile_service and _service_broken is None
-                and type(self.backend) is InductorBackend and self.disk is not None
-                and not self.disk.read_only and not entry.in_process)
-
-    def _send(self, entry: TraceEntry, g: graph_mod.TraceGraph, label: str) -> Any:
-        """Hand the compile to the service; the connection to read the answer from, or None
-        (the service is unavailable: counted, logged once, compiled by a helper of ours)."""
-        assert self.disk is not None
-        try:
-            payload = request_bytes(self.backend, g)
-        except Exception:  # not picklable: the helper path reports it as before
-            return None
-        header = {"op": "compile", "key": self._program_key(entry, g), "label": label,
-                  "torch": torch.__version__, "backend": self.backend.name, "n_ops": g.n_ops,
-                  "size_limit": self.options.cache_size_mb * 1024 * 1024, "pid": os.getpid()}
-        try:
-            sock = service_mod.request(self.disk.directory, header, payload,
-                                       idle_s=self.options.service_idle_s)
-        except service_mod.ServiceUnavailable as err:
-            _service_failed(str(err))
-            return None
-        with _SERVICE_LOCK:
-            _SERVICE_PENDING[id(sock)] = (label, str(self.disk.directory), sock, os.getpid())
-            M.service_pending += 1
-        return sock
-
-    def _await_service(self, sock: Any, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
-        """In the worker: the service's answer (the program is on disk by then), then load."""
-        try:
-            header, data = service_mod.recv_msg(sock)
-        except (OSError, EOFError, ValueError) as err:
-            if WORKER.closed:  # the program is exiting: the service goes on without us
-                raise concurrent.futures.CancelledError() from None
-            _service_failed(f"it went away mid-compile ({type(err).__name__}: {err})")
-            return self._compile_remote(g, entry, service=False)
-        finally:
-            with _SERVICE_LOCK:
-                if _SERVICE_PENDING.pop(id(sock), None) is not None:
-                    M.service_pending = max(M.service_pending - 1, 0)
-            try:
-                sock.close()
-            except OSError:
-                pass
-        status = header.get("status")
-        M.compile_queued_seconds += float(header.get("queued_s", 0.0) or 0.0)
-        if status == "ok":
-            seconds = float(header.get("compile_s", 0.0) or 0.0)
-            if header.get("shared") or header.get("from_disk"):
-                M.service_shared += 1  # someone else's compile: not one of ours
-            else:
-                M.compiles += 1
-                M.service_compiles += 1
-                M.compile_seconds += seconds
-                if g.dynamic:
-                    M.sym_programs += 1
-            self._store(entry, g, None, seconds, data, stored=bool(header.get("stored")))
-            return self._load_compiled(data, g, entry), seconds
-        if status == "error":
-            raise CompileFailed(str(header.get("error", "")), bool(header.get("transient")))
-        # unusable here, or its helper died: this compile goes to a helper of ours
-        M.helper_errors += 1
-        log.info("adaptive_eager: the compile service could not compile trace %s (%s: %s); "
-                 "compiling it in a helper of this process", entry.digest[:12], status,
-                 str(header.get("error", ""))[:200])
-        return self._compile_remote(g, entry, service=False)
-
-    def _finished(self, future: concurrent.futures.Future) -> None:
-        """When a compile or load ends (in the worker), even if no flush picks it up (the engine
-        may be aside meanwhile)."""
-        with STATE_LOCK:
-            M.compiles_pending = max(M.compiles_pending - 1, 0)
 
     def _compiled(self, entry: TraceEntry) -> tuple | None:
         """Pick up a finished compile or load (under STATE_LOCK); returns what to compile here
@@ -1560,7 +1024,7 @@ class CompileManager:
         script used in its recent runs are loaded even earlier, in the worker, from engine start
         on (``_prefetch``: their keys are in the statistics), so those first runs find them
         ready. Returns None when the program fails to load (counted in ``disk_errors``)."""
-        self._import_compiler()
+        self.jobs.import_compiler()
         start = time.perf_counter()
         try:
             with outside_modes(), span("adaptive_eager.load"):

@@ -440,8 +440,8 @@ def _one_compile_per_machine(mgr: Any, entry: Any, trace: Any, live: Any) -> Non
     store = _store()
     if disk is None or store is None or entry.in_process:
         return
-    use_service = getattr(mgr, "_use_service", None)
-    if use_service is not None and use_service(entry):
+    jobs = getattr(mgr, "jobs", None)  # where its compiles run (compile/jobs.py)
+    if jobs is not None and jobs.use_service(entry):
         return  # the compile service compiles each key once for every process of the machine
     from adaptive_eager import graph as graph_mod
     import torch
