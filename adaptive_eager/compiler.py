@@ -11,26 +11,11 @@ Each trace entry moves through states:
   fused      measured faster than op-by-op replay, recording overhead included: kept.
   replay     not faster: the program is dropped and the trace never compiles again here (the
              measurement is stored on disk and combined with other processes', Note
-             [persisted decisions]).
+             [persisted decisions] in compile/programs.py).
   failed     the compiler or the program raised: op by op from now on, counted, logged once;
              later processes retry transient failures (Note [persisted decisions]).
   quarantined the crosscheck found the fused result differs from op-by-op replay.
 A program is used only for runs whose live slots it returns and whose baked-in numbers still hold.
-
-Note [persisted decisions]
-Statistics on disk carry evidence with an age. A failure records its stage, error, whether it is
-transient (an OSError such as ENOSPC, a timeout, a helper that died, memory) and how often and
-when it happened: a transient one is retried by later processes (each of the next
-``TRANSIENT_RETRIES`` processes, then once it is ``RETRY_AFTER_S`` old); a permanent one stays
-op by op. Keep-or-drop measurements are kept per process (``samples``, the last ``_SAMPLES``);
-the stored decision is the median of their fused/op-by-op ratios, so one contended process no
-longer overrides three others. A sample is what that process's decision compared (its paired
-runs, a symbolic trace's fitted at one size: Note [timing at one size]), not the medians of
-all its runs: for a varlen mid-size GPT-2 step those mixed sizes and cold first fused runs, and
-a process that kept its program (fused 212 ms against 355 op by op at one size) stored
-"fused/op-by-op 1.22", so every later process ran the step op by op. A process that loads an
-"op-by-op" decision re-measures when its own op-by-op time makes the stored fused time a clear
-win here.
 """
 
 from __future__ import annotations
@@ -38,25 +23,22 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-import math
-import os
-import sys
 import threading
 import time
 from typing import Any
 
 import torch
 
-from adaptive_eager.spans import span
 from adaptive_eager import graph as graph_mod
 from adaptive_eager import distributed  # Note [ranks agree]
 from adaptive_eager.cache import remote as remote_cache  # Note [remote program store]
 from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
-from adaptive_eager.compile.jobs import (_LOAD_HERE, COMPILE_HERE, WORKER, Jobs, Transport,
-                                         _Landed, outside_modes)
+from adaptive_eager.compile.jobs import _LOAD_HERE, COMPILE_HERE, WORKER, Jobs, Transport, _Landed
 from adaptive_eager.compile.jobs import _compile_guard, _Worker  # noqa: F401 (their old home)
+from adaptive_eager.compile.programs import TRANSIENT_RETRIES  # noqa: F401 (old home)
+from adaptive_eager.compile.programs import ProgramHooks, Programs
 from adaptive_eager.compile.sizes import SizeHooks, Sizes
 from adaptive_eager.compile.sizes import SYM_CHECKED_SIZES, ShapeGuards  # noqa: F401 (old home)
 from adaptive_eager.config import Options
@@ -75,8 +57,6 @@ MEASURE_RUNS_SYM = 5  # the same for a symbolic trace, timed at whatever sizes c
 MIN_OPS = 2  # a one-op trace has nothing to fuse
 MIN_OBSERVED = 2  # runs whose Python numbers were compared before a trace compiles
 MAX_REBAKES = 2  # recompiles of one trace because a baked-in number changed
-PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
-PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
 COVERAGE = 0.5  # share of recent deferred ops in hot traces before it may (Note [coverage])
 COVERAGE_DECAY = 0.99  # per flush: the recent ops are those of about the last 100 flushes
@@ -94,11 +74,8 @@ NO_REPEAT_OPS = 5000  # ops after which mostly-new metadata means shapes never s
 PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
 KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of replay time
 MEASURING_STALE_FLUSHES = 200  # a measuring trace idle this long no longer holds decisions
-TRANSIENT_RETRIES = 3  # later processes that retry a transient failure at once
-RETRY_AFTER_S = 3600.0  # after that, a transient failure is retried once this old
 RECHECK_RATIO = 0.5  # a stored "op-by-op" whose fused time is under this share of our replay
 _HISTORY = 8
-_SAMPLES = 8  # per-process measurements kept in a trace's statistics
 
 # Entries live in the process-wide trie, shared by every thread's engine and manager: their
 # state changes under this lock (two threads, two contexts: one thread's pickup of a finished
@@ -168,17 +145,6 @@ def _at_one_size(fused_s: list[float], fused_n: list[int], paired_s: list[float]
     return max(fused, floor), max(replay, floor)
 
 
-def _script_id() -> str:
-    """The program's script, as the statistics name it (prefetch, Note [warm start])."""
-    arg = sys.argv[0] if sys.argv else ""
-    if not arg or arg in ("-c", "-m", "-"):
-        return ""
-    try:
-        return os.path.realpath(arg)
-    except (OSError, ValueError):
-        return ""
-
-
 # What the sizes (compile/sizes.py) need from the layers above, handed in through SizeHooks.
 def _replay(trace: Trace, live: list[int]) -> list[Any]:
     from adaptive_eager.execute import replay
@@ -224,6 +190,10 @@ def _combine(samples: list[dict]) -> tuple[bool, float]:
     return r <= KEEP_RATIO, r
 
 
+# The program key, the graph builder and the keep rule, for the programs (compile/programs.py).
+_PROGRAM_HOOKS = ProgramHooks(program_key=program_key, build=graph_mod.build, combine=_combine)
+
+
 class CompileManager:
     """One per process and option set: the backend, the disk cache, and the decisions."""
 
@@ -236,6 +206,7 @@ class CompileManager:
             replay=_replay, close=_close, program_inputs=_program_inputs,
             quarantine=self.quarantine, untimed=self._untime, save=self._save_sizes))
         self.jobs = Jobs(self, _TRANSPORT, STATE_LOCK)  # where compiles run
+        self.programs = Programs(self, _PROGRAM_HOOKS)  # key, store, load, statistics
         self._untimed: TraceEntry | None = None  # a checked run: not the program's time
         self.decided: list[TraceEntry] = []
         self.flushes = 0
@@ -246,7 +217,6 @@ class CompileManager:
         self.kept_at_probe = 0
         self._stored_fused: dict[str, float] = {}  # digest -> fused s of a stored op-by-op
         self._remeasure: set[str] = set()  # digests whose stored op-by-op is being re-measured
-        self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
         self._measuring_since: dict[tuple, int] = {}  # Note [undecided means measuring too]
         self._recent: collections.deque = collections.deque(maxlen=RARE_WINDOW)  # flushes' entries
         self._rare_seen: dict[str, tuple[int, int]] = {}  # digest -> (flush, runs it needs)
@@ -259,7 +229,7 @@ class CompileManager:
                 # program lands]): the compiler is imported, Dynamo first, before a load
                 prepare(str(self.disk.directory))
             if self.disk is not None:
-                self._prefetch()
+                self.programs.prefetch()  # Note [warm start]
 
     @property
     def in_flight(self) -> list[concurrent.futures.Future]:
@@ -269,43 +239,6 @@ class CompileManager:
     @in_flight.setter
     def in_flight(self, futures: list[concurrent.futures.Future]) -> None:
         self.jobs.in_flight = futures
-
-    # ---- warm start (Note [warm start]) -------------------------------------------------------
-    def _prefetch(self) -> None:
-        """Load, in the worker, the programs this script used in its recent runs, so the first
-        hot run of their traces here runs fused (Note [warm start])."""
-        if WORKER.closed or not _script_id():
-            return
-        try:
-            keys = self.disk.recent_programs(_script_id(), PREFETCH_MAX)
-        except Exception:
-            return
-        if not keys:
-            return
-        self.jobs.import_compiler()  # in this (the program's) thread, before the worker loads
-        for key in keys:
-            self._prefetched[key] = WORKER.submit(self._prefetch_one, key)
-
-    def _prefetch_one(self, key: str) -> Any:
-        value = self.disk.get_program(key, torch.__version__)
-        if value is None:
-            return None
-        start = time.perf_counter()
-        with outside_modes(), span("adaptive_eager.load"):
-            program = self.backend.load(value["artifact"], None)
-        M.compile_load_seconds += time.perf_counter() - start
-        M.prefetched += 1
-        return program
-
-    def _take_prefetched(self, key: str) -> Any:
-        """A program prefetched for ``key`` (waiting briefly for its load), or None."""
-        fut = self._prefetched.pop(key, None)
-        if fut is None:
-            return None
-        try:
-            return fut.result(timeout=PREFETCH_WAIT_S)
-        except Exception:  # failed or slow: loaded (or compiled) the ordinary way instead
-            return None
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
@@ -427,7 +360,7 @@ class CompileManager:
     def _save_sizes(self, entry: TraceEntry) -> None:
         """Checked sizes to disk, with the key of the program they are about."""
         if self.disk is not None:
-            self.save_stats(entry, program_key=self._program_key(entry, entry.graph))
+            self.save_stats(entry, program_key=self.programs.key(entry, entry.graph))
 
     def _rebake(self, entry: TraceEntry, g: graph_mod.TraceGraph, scalars: list[Any]) -> None:
         """A number compiled in as a constant changed: it varies after all. Mark it and compile
@@ -545,7 +478,7 @@ class CompileManager:
         entry.loaded_state = "measuring"
         if self.disk is not None:  # hot (the next run compiles or loads it at once), and the
             # program's key for the next run's prefetch (Note [warm start])
-            self.save_stats(entry, hot=True, program_key=self._program_key(entry, g))
+            self.save_stats(entry, hot=True, program_key=self.programs.key(entry, g))
         self.jobs.submitted[entry.digest] = time.perf_counter()
         if (self.jobs.use_helper(entry) and self.options.compile_async
                 and not distributed.sync_compiles()):  # Note [ranks agree]
@@ -587,8 +520,8 @@ class CompileManager:
         if (remote_cache.from_env() is not None and self.disk is not None
                 and entry.graph is not None):
             # Note [remote program store]: what compiled here, to the other machines
-            remote_cache.publish_from(self.disk, self._program_key(entry, entry.graph),
-                                      torch.__version__, self._plan_key(entry, entry.graph),
+            remote_cache.publish_from(self.disk, self.programs.key(entry, entry.graph),
+                                      torch.__version__, self.programs.plan_key(entry, entry.graph),
                                       entry.graph.lifted)
         log.info("adaptive_eager: program for trace %s (%d ops) ready after %.2fs",
                  entry.digest[:12], entry.n_ops, seconds)
@@ -866,48 +799,7 @@ class CompileManager:
         self.save_stats(entry, failure={"stage": stage, "error": entry.error,
                                         "transient": transient})
 
-    # ---- disk ---------------------------------------------------------------------------------
-    def _program_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
-        extra = {}
-        if g.dynamic:  # programs with their shape guards (Note [program shape guards]): one
-            extra["guards"] = 1  # stored before them is not loaded, it compiles again once
-        trace = dict(digest=entry.digest, live=g.live, lifted=g.lifted, offsets=g.offsets,
-                     baked=tuple(zip(g.baked, g.baked_values)), **extra)
-        return program_key(trace, f"{self.backend.name}:{self.backend.options_key()}", g.state)
-
-    def _plan_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
-        """Where the remote store keeps the plan of this trace's program: from what a process
-        knows at the trace's first run (Note [remote program plan] in cache/remote.py)."""
-        trace = dict(digest=entry.digest, live=g.live, dynamic=g.dynamic, plan=1)
-        return program_key(trace, f"{self.backend.name}:{self.backend.options_key()}", g.state)
-
-    def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
-               seconds: float, data: bytes | None = None, stored: bool = False) -> None:
-        if self.disk is None or entry.in_process:
-            return
-        if stored:  # the compile service wrote it (Note [compile service])
-            self.save_stats(entry, hot=True, compiled=True, program_key=self._program_key(entry, g))
-            return
-        try:
-            if data is None:
-                with outside_modes():
-                    data = self.backend.serialize(program)
-        except Exception as err:
-            M.disk_errors += 1
-            log.info("adaptive_eager: program of %s not serializable: %s", entry.digest[:12], err)
-            return
-        key = self._program_key(entry, g)
-        self.disk.put_program(key, torch.__version__, self.backend.name,
-                              data, {"n_ops": g.n_ops, "compile_s": seconds})
-        self.save_stats(entry, hot=True, compiled=True, program_key=key)
-
-    def _retry_failure(self, failure: dict) -> bool:
-        """Whether a failure stored by an earlier process is worth trying again here."""
-        if not failure.get("transient"):
-            return False
-        return (int(failure.get("count", 1)) <= TRANSIENT_RETRIES
-                or time.time() - float(failure.get("at", 0.0)) >= RETRY_AFTER_S)
-
+    # ---- disk (programs: compile/programs.py) -------------------------------------------------
     def _from_disk(self, entry: TraceEntry, trace: Trace, live: list[int]) -> bool:
         """Start loading a program (or take a past decision) for this trace from the disk cache.
 
@@ -926,7 +818,7 @@ class CompileManager:
         stats = stats or {}  # Note [remote program store]: the program may be on the store
         remeasure = entry.digest in self._remeasure
         failure = stats.get("failure")
-        retry = bool(failure) and self._retry_failure(failure)
+        retry = bool(failure) and self.programs.retry_failure(failure)
         if retry:
             log.info("adaptive_eager: trace %s failed transiently before (%s, %d time(s)); "
                      "trying again", entry.digest[:12], failure.get("error", "")[:120],
@@ -953,26 +845,10 @@ class CompileManager:
             # measured it, so the keep decision and stepping aside have something to weigh it
             # against (this process may never replay the trace).
             entry.replay_s = [stats["replay_ms"] / 1e3]
-        try:  # a template's entry: its dynamic-size graph (Note [symbolic programs])
-            g = graph_mod.build(trace, live, entry.varying,
-                                template=trace.sym if entry.sym is not None else None)
-        except Exception:
+        found = self.programs.find(entry, trace, live)
+        if found is None:
             return False
-        key = self._program_key(entry, g)
-        program = self._take_prefetched(key)
-        if program is not None:
-            M.disk_hits += 1
-        else:
-            value = self._stored_program(key)
-            if value is None:  # Note [remote program plan] in cache/remote.py
-                g, key, value = self._by_remote_plan(entry, trace, live, g, key)
-            if value is None:
-                M.disk_misses += 1
-                return False
-            program = self._load_now(value["artifact"], g, entry)
-            if program is None:  # counted and logged: compiled again, at once (it was hot)
-                entry.was_hot = True
-                return False
+        g, key, program = found
         entry.graph = g
         entry.program_live = frozenset(live)
         entry.decision = (f"{stats['decision']} (loaded)" if stats.get("decision")
@@ -985,112 +861,12 @@ class CompileManager:
         entry.state = entry.loaded_state = "measuring"  # measured again: this process differs
         return True
 
-    def _stored_program(self, key: str) -> dict | None:
-        """The program stored under ``key``: on disk, else the remote store's (Note [remote
-        program store]), written to disk and read back from there."""
-        value = self.disk.get_program(key, torch.__version__)
-        if value is None and remote_cache.fetch_into(self.disk, key, torch.__version__):
-            value = self.disk.get_program(key, torch.__version__)
-        return value
-
-    def _by_remote_plan(self, entry: TraceEntry, trace: Trace, live: list[int],
-                        g: graph_mod.TraceGraph, key: str) -> tuple[Any, str, dict | None]:
-        """Note [remote program plan] in cache/remote.py: the program another machine compiled
-        for this trace, found through the numbers it lifted (graph, key and stored value), or
-        ``(g, key, None)``."""
-        plan = remote_cache.fetch_plan(self._plan_key(entry, g), torch.__version__)
-        if plan is None:
-            return g, key, None
-        varying = entry.varying | {i for i in plan if i < len(trace.scalars)}
-        if varying == entry.varying:  # nothing this process does not know: the same key
-            return g, key, None
-        try:
-            planned = graph_mod.build(trace, live, varying,
-                                      template=trace.sym if entry.sym is not None else None)
-        except Exception:
-            return g, key, None
-        planned_key = self._program_key(entry, planned)
-        value = self._stored_program(planned_key)
-        if value is None:
-            return g, key, None
-        entry.varying |= varying  # lifted numbers are inputs: correct whatever their values
-        return planned, planned_key, value
-
-    def _load_now(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
-        """Note [warm start]
-        A program on disk is loaded at the trace's first run in this process, in the flushing
-        thread, and used by that very run: deserializing an Inductor artifact takes 7-23 ms
-        here (the compiler's modules are imported once before, as for any load). Programs this
-        script used in its recent runs are loaded even earlier, in the worker, from engine start
-        on (``_prefetch``: their keys are in the statistics), so those first runs find them
-        ready. Returns None when the program fails to load (counted in ``disk_errors``)."""
-        self.jobs.import_compiler()
-        start = time.perf_counter()
-        try:
-            with outside_modes(), span("adaptive_eager.load"):
-                program = self.backend.load(data, g)
-        except Exception as err:
-            M.disk_errors += 1
-            log.warning("adaptive_eager: cached program for %s failed to load (%s); "
-                        "compiling it instead", entry.digest[:12], err)
-            return None
-        seconds = time.perf_counter() - start
-        M.compile_load_seconds += seconds
-        M.disk_hits += 1
-        if len(M.program_waits) < 200:
-            M.program_waits[entry.digest[:12]] = round(seconds, 3)
-        return program
-
     def save_stats(self, entry: TraceEntry, hot: bool = False, failure: dict | None = None,
                    sample: bool = False, compiled: bool = False,
                    program_key: str | None = None) -> None:
-        """Merge this process's view of the trace into its statistics on disk (Note [persisted
-        decisions]): samples accumulate, a failure counts up, a success clears it."""
-        if self.disk is None:
-            return
-        try:
-            old = self.disk.get_stats(entry.digest) or {}
-        except Exception:
-            old = {}
-        summary = entry.summary()
-        samples = [s for s in old.get("samples", ()) if isinstance(s, dict)]
-        decision = entry.decision
-        # the sample is what _decide compared, not the medians (Note [persisted decisions])
-        decided = entry.decided_s
-        if sample and decided is not None and math.isfinite(decided[1]):
-            samples = (samples + [{"fused_ms": round(decided[0] * 1e3, 4),
-                                   "replay_ms": round(decided[1] * 1e3, 4),
-                                   "at": round(time.time(), 1)}])[-_SAMPLES:]
-            keep, ratio = _combine(samples)
-            decision = (f"{'fused' if keep else 'op-by-op'}: median fused/op-by-op "
-                        f"{ratio:.2f} over {len(samples)} measurement(s); here {entry.decision}")
-        elif not decision and old.get("decision"):
-            decision = old["decision"]  # a hot mark or a store keeps what was decided
-        stored_failure = old.get("failure")
-        if failure is not None:
-            same = stored_failure and stored_failure.get("stage") == failure["stage"]
-            failure = dict(failure, at=round(time.time(), 1),
-                           count=(int(stored_failure.get("count", 1)) + 1) if same else 1)
-        elif compiled or sample:
-            failure = None  # compiled fine here: an earlier transient failure is over
-        else:
-            failure = stored_failure
-        if compiled and decision.startswith("op-by-op") and old.get("failure"):
-            decision = ""  # the failure this decision recorded is over
-        self.disk.put_stats(entry.digest, {
-            "torch": torch.__version__, "hot": hot or entry.runs >= self.options.hot_after
-            or entry.was_hot or bool(old.get("hot")), "decision": decision,
-            "varying": sorted(entry.varying | set(old.get("varying", ()))),
-            "replay_ms": summary["replay_ms"] or old.get("replay_ms"),
-            "fused_ms": summary["fused_ms"] or old.get("fused_ms"),
-            "compile_s": entry.compile_s or old.get("compile_s", 0.0), "n_ops": entry.n_ops,
-            "runs": entry.runs, "error": entry.error, "in_process": entry.in_process,
-            "failure": failure, "samples": samples,
-            "program_key": program_key or old.get("program_key"),
-            "sym_sizes": self.sizes.record(entry, program_key or old.get("program_key"),
-                                           old.get("sym_sizes")),  # Note [verified sizes]
-            "script": _script_id() or old.get("script", ""), "used_at": round(time.time(), 1),
-        })
+        """The trace's statistics, merged into those on disk (Note [persisted decisions])."""
+        self.programs.save_stats(entry, hot=hot, failure=failure, sample=sample,
+                                 compiled=compiled, program_key=program_key)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until submitted compiles finish (tests and benchmarks use this)."""

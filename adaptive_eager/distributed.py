@@ -393,7 +393,7 @@ def _intent(mgr: Any, entry: Any) -> tuple[str, dict | None]:
     import torch
 
     failure = stats.get("failure")
-    retry = bool(failure) and mgr._retry_failure(failure)
+    retry = bool(failure) and mgr.programs.retry_failure(failure)
     if (str(stats.get("decision", "")).startswith("op-by-op") and not retry
             and stats.get("torch") == torch.__version__):
         return f"replay:{stats['decision']} (earlier run)", stats
@@ -448,7 +448,7 @@ def _one_compile_per_machine(mgr: Any, entry: Any, trace: Any, live: Any) -> Non
 
     try:
         g = graph_mod.build(trace, live, entry.varying)
-        key = mgr._program_key(entry, g)
+        key = mgr.programs.key(entry, g)
         if disk.get_program(key, torch.__version__) is not None:
             return  # already there: _from_disk loads it
     except Exception:

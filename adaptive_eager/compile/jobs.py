@@ -44,7 +44,7 @@ disk (Note [warm start]) still import first, in the program's thread, before the
 
 The manager owns one ``Jobs``; it hands in the helper and the service as a ``Transport`` (their
 modules sit in the engine's import circle, above this one) and itself as the ``JobsOwner``: the
-options, backend and disk cache, and the program store, key and pickup of a finished compile.
+options, backend and disk cache, its programs (key, store) and the pickup of a finished compile.
 This module imports nothing of the engine: trace entries and graphs are values here (``Any``).
 """
 
@@ -377,11 +377,7 @@ class JobsOwner(Protocol):
     options: Any
     backend: Any
     disk: Any
-
-    def _store(self, entry: Any, g: Any, program: Any, seconds: float,
-               data: bytes | None = None, stored: bool = False) -> None: ...
-
-    def _program_key(self, entry: Any, g: Any) -> str: ...
+    programs: Any  # compile/programs.py: a compiled program's key and store
 
     def _compiled(self, entry: Any) -> tuple | None: ...
 
@@ -510,7 +506,7 @@ class Jobs:
         entry.from_bytes = False
         M.compiles += 1
         M.compile_seconds += seconds
-        self.owner._store(entry, g, program, seconds)
+        self.owner.programs.store(entry, g, program, seconds)
         return program, seconds
 
     def compile_remote(self, g: Any, entry: Any, service: bool = True) -> Any:
@@ -531,7 +527,7 @@ class Jobs:
         M.compile_seconds += seconds
         if g.dynamic:
             M.sym_programs += 1
-        self.owner._store(entry, g, None, seconds, data)
+        self.owner.programs.store(entry, g, None, seconds, data)
         return self._load_compiled(data, g, entry), seconds
 
     def _load_compiled(self, data: bytes, g: Any, entry: Any) -> Any:
@@ -576,7 +572,7 @@ class Jobs:
             payload = self.transport.request_bytes(self.backend, g)
         except Exception:  # not picklable: the helper path reports it as before
             return None
-        header = {"op": "compile", "key": self.owner._program_key(entry, g), "label": label,
+        header = {"op": "compile", "key": self.owner.programs.key(entry, g), "label": label,
                   "torch": torch.__version__, "backend": self.backend.name, "n_ops": g.n_ops,
                   "size_limit": self.options.cache_size_mb * 1024 * 1024, "pid": os.getpid()}
         try:
@@ -619,7 +615,8 @@ class Jobs:
                 M.compile_seconds += seconds
                 if g.dynamic:
                     M.sym_programs += 1
-            self.owner._store(entry, g, None, seconds, data, stored=bool(header.get("stored")))
+            self.owner.programs.store(entry, g, None, seconds, data,
+                                      stored=bool(header.get("stored")))
             return self._load_compiled(data, g, entry), seconds
         if status == "error":
             raise self.transport.compile_failed(str(header.get("error", "")),
