@@ -61,7 +61,7 @@ def cmd_warm(ns: argparse.Namespace) -> int:
     parallel (a helper per queued compile, up to the CPU count); the command then waits for
     all of them with a progress bar and exits. The programs are in the disk cache
     (``adaptive-eager cache ls``), marked hot, with this script's name: its next run loads
-    them at engine start (Note [warm start] in compiler.py)."""
+    them at engine start (Note [warm start] in compile/programs.py)."""
     import runpy
     import signal
     import time

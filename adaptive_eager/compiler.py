@@ -4,103 +4,47 @@ Note [adaptive decisions]
 Each trace entry moves through states:
   new        runs op by op; its replay time and which Python numbers vary are observed.
   compiling  seen ``hot_after`` times: compiled in the helper process while the program keeps
-             running op by op, or at that flush in this process (Note [in-process compiles]).
+             running op by op, or at that flush in this process (Note [in-process compiles]
+             in compile/jobs.py).
   measuring  program ready (compiled, or loaded from the disk cache): the next runs use it and
              are timed; the first (warm-up) call is not counted.
   fused      measured faster than op-by-op replay, recording overhead included: kept.
   replay     not faster: the program is dropped and the trace never compiles again here (the
              measurement is stored on disk and combined with other processes', Note
-             [persisted decisions]).
+             [persisted decisions] in compile/programs.py).
   failed     the compiler or the program raised: op by op from now on, counted, logged once;
              later processes retry transient failures (Note [persisted decisions]).
   quarantined the crosscheck found the fused result differs from op-by-op replay.
 A program is used only for runs whose live slots it returns and whose baked-in numbers still hold.
-
-Note [in-process compiles]
-Inductor's compile changes process-wide state while it runs: it saves the global RNG states and
-restores them at the end (a program drawing numbers meanwhile on another thread has its stream
-rewound: draw 2695 came back as draw 1059), and torch.fx's tracer patches ``nn.Module.__call__``
-and friends (the program's module calls on another thread ran through the patch: NameError in
-user code). No lock the engine takes can shield the user's own Python from that. So a compile
-in this process never runs beside the program: it runs in the flushing thread, at the flush
-that wants it (the program waits, as with compile_async off), inside ``_compile_guard``, which
-also restores the CPU (and initialized CUDA) RNG states and Python's ``random`` state after it.
-Only work that touches no such state runs in the background worker: waiting on the helper
-process's answer (the compile proper runs there, Note [compile process]), storing the bytes it
-sent, and deserializing programs. A helper that fails hands the compile back to the next flush.
-Measured here (fx-patch reproducer: 16 Linear+Tanh blocks, SGD, 2 cores shared with other
-work): 6 in-process compiles, no error in user code, 171 s of wall time for 18 steps (about 25 s
-of waiting per compile). In a thread the same compiles slowed every step 3.4x for as long
-(benchmarks/compile_stall.py) and broke the program; the helper process (the default) costs the
-program neither.
-
-Note [compile worker]
-The background worker is one daemon thread of this module, not a ThreadPoolExecutor (whose
-workers concurrent.futures joins at exit: a compile pending at exit held the process for
-seconds to minutes, then stored nothing). When the program's main thread ends
-(``threading._register_atexit``, before non-daemon threads are joined), work still queued or
-running is dropped, the helper is abandoned, and one line on stderr says how many compiles and
-that the next run compiles them (their traces are marked hot on disk at submit). The worker imports
-nothing itself: the compiler's modules are imported in the program's thread (``_import_compiler``,
-0.9-2.4 s here on a 2-core machine, paid once). A background import raced the program's own
-``import torch._dynamo`` (which any torch.optim optimizer does) and raised "partially initialized
-module" ImportErrors in user code; and a load that imports late, during shutdown, failed to
-register its atexit hook.
-
-Note [import when a program lands]
-Sending a trace to the compile service or a helper needs none of the compiler's modules; only
-loading the program it sends back does. So the import waits for the first program to land: the
-worker stores the bytes and hands them back unloaded (``_Landed``) while the compiler is not
-imported yet, and the flushing thread imports and loads at the trace's next run. A cold run that
-ends before its first program lands (a 200-step script beside a 40 s cold compile) never pays
-the import: it cost every such run 0.8-1.5 s of a 1-3 s whole run here, in its fifth step. A
-run that gets a program pays it once, at a step it was going to run faster from. Programs from
-disk (Note [warm start]) still import first, in the program's thread, before the worker loads.
-
-Note [persisted decisions]
-Statistics on disk carry evidence with an age. A failure records its stage, error, whether it is
-transient (an OSError such as ENOSPC, a timeout, a helper that died, memory) and how often and
-when it happened: a transient one is retried by later processes (each of the next
-``TRANSIENT_RETRIES`` processes, then once it is ``RETRY_AFTER_S`` old); a permanent one stays
-op by op. Keep-or-drop measurements are kept per process (``samples``, the last ``_SAMPLES``);
-the stored decision is the median of their fused/op-by-op ratios, so one contended process no
-longer overrides three others. A sample is what that process's decision compared (its paired
-runs, a symbolic trace's fitted at one size: Note [timing at one size]), not the medians of
-all its runs: for a varlen mid-size GPT-2 step those mixed sizes and cold first fused runs, and
-a process that kept its program (fused 212 ms against 355 op by op at one size) stored
-"fused/op-by-op 1.22", so every later process ran the step op by op. A process that loads an
-"op-by-op" decision re-measures when its own op-by-op time makes the stored fused time a clear
-win here.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import logging
-import math
-import os
-import random
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from adaptive_eager.spans import span
 from adaptive_eager import graph as graph_mod
 from adaptive_eager import distributed  # Note [ranks agree]
 from adaptive_eager.cache import remote as remote_cache  # Note [remote program store]
 from adaptive_eager.backends import Backend, get_backend
 from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 from adaptive_eager.cache.memory import TraceEntry
+from adaptive_eager.compile.jobs import _LOAD_HERE, COMPILE_HERE, WORKER, Jobs, Transport, _Landed
+from adaptive_eager.compile.jobs import _compile_guard, _Worker  # noqa: F401 (their old home)
+from adaptive_eager.compile.programs import TRANSIENT_RETRIES  # noqa: F401 (old home)
+from adaptive_eager.compile.programs import ProgramHooks, Programs
+from adaptive_eager.compile.sizes import SizeHooks, Sizes
+from adaptive_eager.compile.sizes import SYM_CHECKED_SIZES, ShapeGuards  # noqa: F401 (old home)
 from adaptive_eager.config import Options
 from adaptive_eager.compile_process import (HELPER, CompileFailed, HelperFailed,
-                                            failure_is_transient, request_bytes)
+                                            failure_is_transient, fast_vec_isa_pick,
+                                            request_bytes)
 from adaptive_eager import service as service_mod
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.program_key import program_key  # Note [program key]
@@ -113,12 +57,6 @@ MEASURE_RUNS_SYM = 5  # the same for a symbolic trace, timed at whatever sizes c
 MIN_OPS = 2  # a one-op trace has nothing to fuse
 MIN_OBSERVED = 2  # runs whose Python numbers were compared before a trace compiles
 MAX_REBAKES = 2  # recompiles of one trace because a baked-in number changed
-SYM_CHECKED_SIZES = 3  # sizes a symbolic program must agree at before a new size whose
-# guards hold runs unchecked, as a static program does (Note [trusting a size])
-SYM_SIZES_KEPT = 256  # checked sizes kept per program in its statistics (Note [verified sizes])
-SYM_GUARD_MEMO = 4096  # sizes whose guard verdict is remembered per program
-PREFETCH_MAX = 32  # programs of this script loaded at engine start (Note [warm start])
-PREFETCH_WAIT_S = 60.0  # a first hit waits for its program's prefetch (never loads it twice)
 MIN_DECISIONS = 1  # traces measured before the engine may step aside
 COVERAGE = 0.5  # share of recent deferred ops in hot traces before it may (Note [coverage])
 COVERAGE_DECAY = 0.99  # per flush: the recent ops are those of about the last 100 flushes
@@ -136,90 +74,13 @@ NO_REPEAT_OPS = 5000  # ops after which mostly-new metadata means shapes never s
 PROBE_FLUSHES = 50  # flushes a probe gets to find a trace worth fusing
 KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of replay time
 MEASURING_STALE_FLUSHES = 200  # a measuring trace idle this long no longer holds decisions
-TRANSIENT_RETRIES = 3  # later processes that retry a transient failure at once
-RETRY_AFTER_S = 3600.0  # after that, a transient failure is retried once this old
 RECHECK_RATIO = 0.5  # a stored "op-by-op" whose fused time is under this share of our replay
 _HISTORY = 8
-_SAMPLES = 8  # per-process measurements kept in a trace's statistics
 
 # Entries live in the process-wide trie, shared by every thread's engine and manager: their
 # state changes under this lock (two threads, two contexts: one thread's pickup of a finished
 # compile set entry.future to None under the other's feet).
 STATE_LOCK = threading.RLock()
-# One compile in this process at a time (Inductor's own state is process-wide too).
-_LOCAL_COMPILE = threading.Lock()
-
-
-class _CompileHere:
-    """A worker job's answer meaning: compile this trace in this process, at the next flush."""
-
-
-COMPILE_HERE = _CompileHere()
-
-
-@contextlib.contextmanager
-def outside_modes() -> Iterator[None]:
-    """Run compiler code with no torch-function or dispatch mode of this thread active.
-
-    Inductor runs tensor ops of its own (fake tensors, constant folding); under the engine's modes
-    they would be recorded as if the user had written them.
-    """
-    with _disable_current_modes():
-        funcs = [torch._C._pop_torch_function_stack()
-                 for _ in range(torch._C._len_torch_function_stack())]
-        try:
-            yield
-        finally:
-            for mode in reversed(funcs):
-                torch._C._push_on_torch_function_stack(mode)
-
-
-@contextlib.contextmanager
-def _compile_guard() -> Iterator[None]:
-    """Around a compile in this process (Note [in-process compiles]): the program's random
-    streams are as they were before it."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    py = random.getstate()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        random.setstate(py)
-
-
-@contextlib.contextmanager
-def progress(label: str, stream: Any = None) -> Iterator[None]:
-    """On a terminal, show a long compile as it goes (which trace, seconds so far); else quiet."""
-    out = stream if stream is not None else sys.stderr
-    if not getattr(out, "isatty", lambda: False)():
-        yield
-        return
-    done = threading.Event()
-    start = time.perf_counter()
-
-    def tick() -> None:
-        while not done.wait(1.0):
-            elapsed = time.perf_counter() - start
-            if elapsed >= 2.0:
-                out.write(f"\radaptive_eager: compiling {label} ... {elapsed:.0f}s")
-                out.flush()
-
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
-    try:
-        yield
-    finally:
-        done.set()
-        ticker.join()
-        elapsed = time.perf_counter() - start
-        if elapsed >= 2.0:
-            out.write(f"\radaptive_eager: compiled {label} in {elapsed:.1f}s\n")
-            out.flush()
-
-
 def _run_time(entry: TraceEntry) -> float:
     """A trace's time per run (Note [rare traces]): the best of its recent op-by-op runs (a
     cold first replay took 2-3x a warm one), else of its fused runs; 0.0: unknown."""
@@ -284,449 +145,33 @@ def _at_one_size(fused_s: list[float], fused_n: list[int], paired_s: list[float]
     return max(fused, floor), max(replay, floor)
 
 
-# ---- the background worker (Note [compile worker]) ----------------------------------------------
-class _Worker:
-    """One daemon thread running jobs in order; dropped, not joined, when the program ends."""
+# What the sizes (compile/sizes.py) need from the layers above, handed in through SizeHooks.
+def _replay(trace: Trace, live: list[int]) -> list[Any]:
+    from adaptive_eager.execute import replay
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: collections.deque = collections.deque()
-        self._thread: threading.Thread | None = None
-        self._running: tuple | None = None
-        self.closed = False
-        self._pid = os.getpid()
-
-    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "") -> \
-            concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            if self._pid != os.getpid():  # a forked child: its parent's thread is not here
-                self._thread, self._jobs, self._pid = None, collections.deque(), os.getpid()
-            if self.closed:
-                fut.cancel()
-                return fut
-            self._jobs.append((fut, fn, args, label))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="adaptive_eager-compile")
-                self._thread.start()
-                _register_exit_hook()
-            self._cond.notify()
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self.closed:
-                    self._cond.wait()
-                if self.closed:
-                    return
-                job = self._running = self._jobs.popleft()
-            fut, fn, args, _ = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as err:  # noqa: B036 - handed to whoever reads the future
-                    if not self.closed:
-                        fut.set_exception(err)
-                else:
-                    if not self.closed:
-                        fut.set_result(result)
-            with self._cond:
-                self._running = None
-                self._cond.notify_all()
-
-    def is_current(self) -> bool:
-        """Whether the caller runs in the worker's thread."""
-        return self._thread is not None and threading.current_thread() is self._thread
-
-    def pending(self) -> list[str]:
-        """Labels of the compiles queued or running (loads and warm-ups have no label)."""
-        with self._cond:
-            jobs = list(self._jobs) + ([self._running] if self._running is not None else [])
-        return [j[3] for j in jobs if j[3]]
-
-    def close(self) -> list[str]:
-        """Stop taking work; what was pending is dropped (returned by label)."""
-        if self._pid != os.getpid():  # a forked child (a DataLoader worker) exiting: those
-            self.closed = True  # jobs are its parent's, to report there (and the lock may be
-            return []  # held by a thread that does not exist here)
-        with self._cond:
-            dropped = self.pending()
-            self.closed = True
-            for fut, *_ in self._jobs:
-                fut.cancel()
-            self._jobs.clear()
-            self._cond.notify_all()
-        return dropped
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Until the jobs submitted so far have run."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while (self._jobs or self._running is not None) and not self.closed:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("compiles still running")
-                self._cond.wait(left)
+    return replay(trace, live, False)
 
 
-WORKER = _Worker()
-# Requests the compile service is answering: id -> (label, cache dir, socket, requester pid).
-_SERVICE_PENDING: dict[int, tuple[str, str, Any, int]] = {}
-_SERVICE_LOCK = threading.Lock()
-_service_broken: str | None = None  # why this process stopped using the service (logged once)
-_exit_hook_registered = False
-_imported = False  # the compiler's modules were imported in a program thread
-_compiler_ready = False  # ... and that import has finished: the worker may load programs
+def _close(fused: Any, eager: Any) -> bool:
+    from adaptive_eager.fused import _close
+
+    return _close(fused, eager)
 
 
-_LOAD_HERE = object()  # _compiled's answer: load the landed program in this thread
+def _program_inputs(g: graph_mod.TraceGraph, trace: Trace) -> list[Any] | None:
+    from adaptive_eager.execute import ReplayGuard
+    from adaptive_eager.graph import ext_reals
+
+    with ReplayGuard():  # the engine's own tensor ops, as in run_fused
+        return g.inputs([t.detach() for t in ext_reals(trace)], trace.scalars)
 
 
-class _Landed:
-    """A program's bytes the worker could not load yet (Note [import when a program lands])."""
-
-    __slots__ = ("data", "graph")
-
-    def __init__(self, data: bytes, graph: Any) -> None:
-        self.data = data
-        self.graph = graph
-
-
-def _preload() -> None:
-    """Import, in the worker and long before exit, what loading a program imports: one of those
-    modules registers an exit hook, which fails once shutdown began."""
-    try:
-        import concurrent.futures.process  # noqa: F401
-        import concurrent.futures.thread  # noqa: F401
-    except Exception:  # never fatal: a late load then fails and is dropped
-        pass
-
-
-def _import_dynamo_first() -> None:
-    """Import torch._dynamo, whole, before anything of torch._inductor: the other order takes
-    their module locks the other way round from a program thread's ``import torch._dynamo`` (any
-    torch.optim optimizer does it), and importlib raised _DeadlockError or "partially initialized
-    module" in one of the two threads (two threads, two engines)."""
-    import torch._dynamo  # noqa: F401
-
-
-def _register_exit_hook() -> None:
-    global _exit_hook_registered
-    if _exit_hook_registered:
-        return
-    _exit_hook_registered = True
-    try:
-        threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
-    except RuntimeError:  # already shutting down
-        pass
-
-
-def _at_exit() -> None:
-    """The program's main thread ended: compiles with the service go on there (Note [compile
-    service]); the others are dropped. Say so once each, do not wait."""
-    dropped = WORKER.close()
-    with _SERVICE_LOCK:
-        # a forked child's copy names its parent's requests: never shut those sockets down
-        continuing = [v for v in _SERVICE_PENDING.values() if v[3] == os.getpid()]
-        _SERVICE_PENDING.clear()
-    for _, _, sock, _ in continuing:
-        try:  # wakes the worker blocked on the answer; the service keeps compiling
-            sock.shutdown(2)
-        except OSError:
-            pass
-    if continuing:
-        n = len(continuing)
-        labels = [c[0] for c in continuing]
-        try:
-            sys.stderr.write(
-                f"adaptive_eager: {n} compile{'s' if n != 1 else ''} continue{'' if n != 1 else 's'}"
-                f" in the compile service ({', '.join(labels[:3])}{', ...' if n > 3 else ''}); "
-                f"the programs land in {continuing[0][1]} for the next run\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
-    service_labels = {c[0] for c in continuing}
-    dropped = [d for d in dropped if d not in service_labels]
-    if not dropped:
-        return
-    _abandon_helper()
-    n = len(dropped)
-    try:
-        sys.stderr.write(f"adaptive_eager: {n} compile{'s' if n != 1 else ''} still pending at "
-                         f"exit dropped ({', '.join(dropped[:3])}{', ...' if n > 3 else ''}); "
-                         "the next run compiles them at once (marked hot on disk)\n")
-        sys.stderr.flush()
-    except Exception:
-        pass
-
-
-def _has_user_ops(g: graph_mod.TraceGraph) -> bool:
-    """A graph calling ops outside torch's own namespaces (Note [custom ops]): the helper,
-    started isolated, cannot import the library that defines them, so it compiles here."""
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and n.target.namespace not in _TORCH_NAMESPACES for n in g.gm.graph.nodes)
-
-
-_TORCH_NAMESPACES = frozenset({"aten", "prims", "quantized", "_quantized", "inductor"})
-
-
-def _abandon_helper() -> None:
-    """Kill a helper still compiling for us: its answer would come too late, and a daemon
-    thread blocked reading its pipe holds that file's lock, which interpreter finalization
-    then waits for (measured: 8 s after the last atexit hook, until the helper finished)."""
-    try:
-        HELPER.abandon()
-    except Exception:
-        pass
-
-
-def _service_failed(why: str) -> None:
-    """The compile service cannot be used by this process: compile in a helper of our own from
-    now on (Note [compile service]); counted, logged once."""
-    global _service_broken
-    M.service_errors += 1
-    if _service_broken is None:
-        _service_broken = why
-        log.warning("adaptive_eager: the compile service is unavailable (%s); compiling in a "
-                    "helper of this process instead", why)
-
-
-def _script_id() -> str:
-    """The program's script, as the statistics name it (prefetch, Note [warm start])."""
-    arg = sys.argv[0] if sys.argv else ""
-    if not arg or arg in ("-c", "-m", "-"):
-        return ""
-    try:
-        return os.path.realpath(arg)
-    except (OSError, ValueError):
-        return ""
-
-
-# Note [trusting a size]
-# A dynamic-size program (Note [symbolic programs] in graph.py) runs a size s unchecked, as a
-# static program runs, only when both hold:
-# - its own shape guards hold at s (Note [program shape guards] in backends/inductor.py: what
-#   Inductor assumed, such as two inputs' lengths being equal, s >= 2, or s <= 4096 where the
-#   CPU sum kernel skipped its chunked accumulator), evaluated on this run's program inputs by
-#   ShapeGuards, once per s (the inputs' metadata is a function of s on a template: the
-#   verdict is memoized per s); and
-# - SYM_CHECKED_SIZES sizes agreed with op-by-op replay (_CheckedSize) and none disagreed: the
-#   guards say where the program applies, the checks that it computes what the trace does
-#   (a wrong lowering is caught at the first sizes, before anything runs unchecked).
-# A size whose guards fail never runs the program, not even on copies (it may read past a
-# buffer): it runs op by op (a template entry's static path), and is counted in
-# ``sym_guard_refused``; the program stays trusted for other sizes. Guards that cannot be read
-# or evaluated (a backend that gives none, a node the interpreter does not know, a corrupt
-# block) trust no size by guards: every new size is checked as the first ones are, and this is
-# counted in ``sym_guards_unknown``. A size that raised or differed stays op by op, and two
-# such sizes quarantine the trace. Earlier versions trusted only sizes between the smallest and
-# the largest agreed size, so a growing KV cache was checked at every new length.
-#
-# Note [verified sizes]
-# Checked sizes are facts about one program: they are stored in the trace's statistics with
-# the program's key (``sym_sizes``: agreed and bad sizes, at most SYM_SIZES_KEPT each, merged
-# with what other processes stored) and read back when that same program is loaded from the
-# disk cache, so a later process needs no new checks for them (a different program, say after
-# a recompile, starts over). The values are verified data like every cache value: ints only,
-# anything else ignored and counted in ``disk_errors``.
-class _SymSizes:
-    """Per symbolic program: sizes checked against replay, and the guard verdict per size."""
-
-    __slots__ = ("checked", "fits", "guards", "key", "trusted", "prog")
-
-    def __init__(self, prog: Any = None) -> None:
-        self.prog = prog  # the program these verdicts are about (a recompile starts over)
-        self.checked: dict[int, bool] = {}  # s -> agreed with op-by-op replay?
-        self.trusted: set[int] = set()  # sizes run unchecked (by the guards)
-        self.fits: dict[int, bool | None] = {}  # s -> guards hold (None: cannot say)
-        self.guards: Any = _UNREAD  # ShapeGuards, or None (unknown)
-        self.key: str | None = None  # the program these facts are about
-
-
-_UNREAD = object()
-
-
-class ShapeGuards:
-    """A program's shape guards, decoded from data and evaluated with integer arithmetic
-    (Note [program shape guards] in backends/inductor.py). Decoding validates every node
-    against a fixed table and raises ValueError on anything else; nothing is executed."""
-
-    __slots__ = ("locs", "exprs")
-    _NARY = frozenset(("+", "*", "min", "max", "and", "or"))
-    _BINARY = frozenset(("//", "%", "cdiv", "pow", "==", "!=", "<", "<=", ">", ">="))
-    _MAX_NODES = 200_000  # a GPT-2 training step's set: a few thousand
-
-    def __init__(self, locs: list[tuple], exprs: list[Any]) -> None:
-        self.locs, self.exprs = locs, exprs
-
-    @classmethod
-    def decode(cls, data: Any) -> ShapeGuards:
-        if type(data) is not dict or data.get("v") != 1:
-            raise ValueError("guards of another format")
-        if "unknown" in data:
-            raise ValueError(f"unknown guards: {str(data['unknown'])[:200]}")
-        syms, guards = data.get("syms"), data.get("guards")
-        if type(syms) is not list or type(guards) is not list:
-            raise ValueError("malformed guards")
-        locs = []
-        for loc in syms:
-            if (type(loc) is list and len(loc) == 3 and loc[0] in ("size", "stride")
-                    and all(type(x) is int and x >= 0 for x in loc[1:])):
-                locs.append((loc[0], loc[1], loc[2]))
-            elif (type(loc) is list and len(loc) == 2 and loc[0] == "offset"
-                  and type(loc[1]) is int and loc[1] >= 0):
-                locs.append(("offset", loc[1], 0))
-            else:
-                raise ValueError(f"bad symbol location {str(loc)[:80]}")
-        budget = [cls._MAX_NODES]
-        return cls(locs, [cls._node(g, len(locs), 0, budget) for g in guards])
-
-    @classmethod
-    def _node(cls, n: Any, n_syms: int, depth: int, budget: list[int]) -> Any:
-        budget[0] -= 1
-        if budget[0] < 0 or depth > 64:
-            raise ValueError("guards too large")
-        t = type(n)
-        if t is bool:
-            return n
-        if t is int:  # JSON ints are unbounded: a product of a few thousand would never end
-            if not -_GUARD_INT_MAX <= n <= _GUARD_INT_MAX:
-                raise ValueError("guard constant out of range")
-            return n
-        if t is not list or not n or type(n[0]) is not str:
-            raise ValueError(f"bad guard node {str(n)[:80]}")
-        op, args = n[0], n[1:]
-        if op == "v":
-            if len(args) != 1 or type(args[0]) is not int or not 0 <= args[0] < n_syms:
-                raise ValueError("bad symbol reference")
-            return ("v", args[0])
-        if op == "not":
-            if len(args) != 1:
-                raise ValueError("bad not")
-        elif op in cls._BINARY:
-            if len(args) != 2:
-                raise ValueError(f"{op} needs two operands")
-        elif op not in cls._NARY or not args:
-            raise ValueError(f"unknown guard operator {op[:20]!r}")
-        return (op, *(cls._node(a, n_syms, depth + 1, budget) for a in args))
-
-    def holds(self, inputs: list[Any]) -> bool:
-        """Whether every guard holds for these program inputs; ValueError: cannot say."""
-        vals = []
-        for kind, i, d in self.locs:
-            t = inputs[i] if i < len(inputs) else None
-            if not isinstance(t, torch.Tensor) or (kind != "offset" and d >= t.dim()):
-                raise ValueError("a guard names an input the program does not have")
-            vals.append(t.size(d) if kind == "size" else t.stride(d) if kind == "stride"
-                        else t.storage_offset())
-        for g in self.exprs:
-            v = _ev(g, vals)
-            if type(v) is not bool:
-                raise ValueError("a guard that is not a relation")
-            if not v:
-                return False
-        return True
-
-
-# Sizes, strides and guard constants are far below this; a stored block (data) that leaves it
-# is refused rather than evaluated (big-int products of stored constants grow without bound).
-_GUARD_INT_MAX = 1 << 128
-
-
-def _ev(n: Any, vals: list[int]) -> int | bool:
-    """Evaluate a decoded guard node (ShapeGuards._node's tuples): ints and bools only."""
-    t = type(n)
-    if t is int or t is bool:
-        return n
-    op = n[0]
-    if op == "v":
-        return vals[n[1]]
-    a = [_ev(x, vals) for x in n[1:]]
-    if op in ("and", "or", "not"):
-        if any(type(x) is not bool for x in a):
-            raise ValueError("logic on numbers")
-        return all(a) if op == "and" else any(a) if op == "or" else not a[0]
-    if any(type(x) is not int for x in a):
-        raise ValueError("arithmetic on truth values")
-    if op == "+":
-        r = sum(a)
-    elif op == "*":
-        r = 1
-        for x in a:
-            r *= x
-            if not -_GUARD_INT_MAX <= r <= _GUARD_INT_MAX:  # bounded before the next product
-                raise ValueError("guard arithmetic out of range")
-    else:
-        r = None
-    if r is not None:
-        if not -_GUARD_INT_MAX <= r <= _GUARD_INT_MAX:
-            raise ValueError("guard arithmetic out of range")
-        return r
-    if op == "min":
-        return min(a)
-    if op == "max":
-        return max(a)
-    x, y = a
-    if op in ("//", "%", "cdiv"):
-        if y == 0:
-            raise ValueError("division by zero in a guard")
-        return x // y if op == "//" else x % y if op == "%" else -(-x // y)
-    if op == "pow":
-        if not 0 <= y <= 64 or (abs(x) > 1 and y * (abs(x).bit_length() - 1) > 128):
-            raise ValueError("power out of range")
-        return x ** y
-    return (x == y if op == "==" else x != y if op == "!=" else x < y if op == "<"
-            else x <= y if op == "<=" else x > y if op == ">" else x >= y)
-
-
-class _CheckedSize:
-    """A symbolic program's first fused run at one size (Note [trusting a size]): the program
-    runs on copies of the inputs, the trace op by op on the real ones, and the op-by-op values
-    are returned; agreement within the fused tolerance lets later runs at this size run fused
-    (and, once SYM_CHECKED_SIZES sizes agreed, new sizes whose guards hold run unchecked). A
-    raise or a difference is counted; that size stays op by op, and a trace with two bad sizes
-    is quarantined. The verdict is stored with the program (Note [verified sizes])."""
-
-    def __init__(self, mgr: CompileManager, entry: TraceEntry, trace: Trace, prog: Any, s: int,
-                 rec: _SymSizes) -> None:
-        self.mgr, self.entry, self.trace, self.prog, self.s, self.rec = (
-            mgr, entry, trace, prog, s, rec)
-        self.sizes = rec.checked
-
-    def __call__(self, *inputs: Any) -> list[Any]:
-        from adaptive_eager.execute import replay
-        from adaptive_eager.fused import _close
-
-        g = self.entry.graph
-        copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
-        try:
-            outs = list(self.prog(*copies))
-        except Exception as err:
-            outs = None
-            why = f"raised {type(err).__name__}: {str(err)[:200]}"
-        env = replay(self.trace, list(g.live), False)
-        if outs is not None:
-            bad = [f"output slot {s}" for s, o in zip(g.live, outs)
-                   if env[s] is not None and not _close(o, env[s])]
-            bad += [f"input {i}" for i, (c, r) in enumerate(zip(copies, inputs))
-                    if isinstance(c, torch.Tensor) and not _close(c, r)]
-            why = ", ".join(bad[:4])
-        ok = outs is not None and not bad
-        self.sizes[self.s] = ok
-        self.mgr._untimed = self.entry
-        if ok:
-            M.sym_checked += 1
-        else:
-            M.sym_program_fallbacks += 1
-            self.rec.trusted.clear()  # no size runs unchecked once one disagreed
-            log.warning("adaptive_eager: the dynamic-size program of trace %s at s=%d: %s; "
-                        "that size runs op by op", self.entry.digest[:12], self.s, why)
-            if sum(1 for v in self.sizes.values() if not v) >= 2:
-                self.mgr.quarantine(self.entry, f"dynamic-size program wrong at two sizes ({why})")
-        self.mgr._store_sizes(self.entry)
-        return [env[s] for s in g.live]
+# The compile helper and the compile service, for the jobs (compile/jobs.py imports neither).
+_TRANSPORT = Transport(
+    helper=HELPER, helper_failed=HelperFailed, compile_failed=CompileFailed,
+    request_bytes=request_bytes, request=service_mod.request, recv_msg=service_mod.recv_msg,
+    unavailable=service_mod.ServiceUnavailable, sync_compiles=distributed.sync_compiles,
+    vec_isa_pick=fast_vec_isa_pick)
 
 
 def _transient(err: BaseException) -> bool:
@@ -745,6 +190,10 @@ def _combine(samples: list[dict]) -> tuple[bool, float]:
     return r <= KEEP_RATIO, r
 
 
+# The program key, the graph builder and the keep rule, for the programs (compile/programs.py).
+_PROGRAM_HOOKS = ProgramHooks(program_key=program_key, build=graph_mod.build, combine=_combine)
+
+
 class CompileManager:
     """One per process and option set: the backend, the disk cache, and the decisions."""
 
@@ -753,7 +202,11 @@ class CompileManager:
         self.backend: Backend = get_backend(options.backend)
         self.disk: DiskCache | None = None
         self._logged: set[str] = set()
-        self._sym_sizes: dict[str, _SymSizes] = {}  # symbolic trace -> its sizes' verdicts
+        self.sizes = Sizes(SizeHooks(  # Note [trusting a size], Note [verified sizes]
+            replay=_replay, close=_close, program_inputs=_program_inputs,
+            quarantine=self.quarantine, untimed=self._untime, save=self._save_sizes))
+        self.jobs = Jobs(self, _TRANSPORT, STATE_LOCK)  # where compiles run
+        self.programs = Programs(self, _PROGRAM_HOOKS)  # key, store, load, statistics
         self._untimed: TraceEntry | None = None  # a checked run: not the program's time
         self.decided: list[TraceEntry] = []
         self.flushes = 0
@@ -762,12 +215,8 @@ class CompileManager:
         self.hits = 0
         self.probe_start: int | None = None
         self.kept_at_probe = 0
-        self.in_flight: list[concurrent.futures.Future] = []
         self._stored_fused: dict[str, float] = {}  # digest -> fused s of a stored op-by-op
         self._remeasure: set[str] = set()  # digests whose stored op-by-op is being re-measured
-        self._here: set[str] = set()  # digests the helper could not take: compiled here
-        self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
-        self._submitted: dict[str, float] = {}  # digest -> when its compile or load began
         self._measuring_since: dict[tuple, int] = {}  # Note [undecided means measuring too]
         self._recent: collections.deque = collections.deque(maxlen=RARE_WINDOW)  # flushes' entries
         self._rare_seen: dict[str, tuple[int, int]] = {}  # digest -> (flush, runs it needs)
@@ -780,70 +229,16 @@ class CompileManager:
                 # program lands]): the compiler is imported, Dynamo first, before a load
                 prepare(str(self.disk.directory))
             if self.disk is not None:
-                self._prefetch()
+                self.programs.prefetch()  # Note [warm start]
 
-    # ---- warm start (Note [warm start]) -------------------------------------------------------
-    def _prefetch(self) -> None:
-        """Load, in the worker, the programs this script used in its recent runs, so the first
-        hot run of their traces here runs fused (Note [warm start])."""
-        if WORKER.closed or not _script_id():
-            return
-        try:
-            keys = self.disk.recent_programs(_script_id(), PREFETCH_MAX)
-        except Exception:
-            return
-        if not keys:
-            return
-        self._import_compiler()  # in this (the program's) thread, before the worker loads
-        for key in keys:
-            self._prefetched[key] = WORKER.submit(self._prefetch_one, key)
+    @property
+    def in_flight(self) -> list[concurrent.futures.Future]:
+        """Compiles and loads submitted to the worker (some may be done)."""
+        return self.jobs.in_flight
 
-    def _prefetch_one(self, key: str) -> Any:
-        value = self.disk.get_program(key, torch.__version__)
-        if value is None:
-            return None
-        start = time.perf_counter()
-        with outside_modes(), span("adaptive_eager.load"):
-            program = self.backend.load(value["artifact"], None)
-        M.compile_load_seconds += time.perf_counter() - start
-        M.prefetched += 1
-        return program
-
-    def _take_prefetched(self, key: str) -> Any:
-        """A program prefetched for ``key`` (waiting briefly for its load), or None."""
-        fut = self._prefetched.pop(key, None)
-        if fut is None:
-            return None
-        try:
-            return fut.result(timeout=PREFETCH_WAIT_S)
-        except Exception:  # failed or slow: loaded (or compiled) the ordinary way instead
-            return None
-
-    def _import_compiler(self) -> None:
-        """Import what compiling and loading need, in the program's thread, before any of it
-        runs in the worker (Note [compile worker]: imports racing the program's own)."""
-        global _imported, _compiler_ready
-        if _imported:
-            return
-        _imported = True
-        start = time.perf_counter()
-        with outside_modes():
-            _preload()
-            warm_up = getattr(self.backend, "warm_up", None)
-            try:
-                _import_dynamo_first()
-                if warm_up is not None:
-                    warm_up()
-                if self.backend.name == "inductor":  # what deserializing a program imports
-                    import torch._inductor.codegen.wrapper  # noqa: F401
-
-                    from adaptive_eager.compile_process import fast_vec_isa_pick
-
-                    fast_vec_isa_pick()  # loading probes it too (Note [helper warm-up])
-            except Exception as err:  # the compile or load that needs it reports it
-                log.info("adaptive_eager: importing the compiler failed: %s", err)
-        _compiler_ready = True
-        log.info("adaptive_eager: compiler imported in %.2fs", time.perf_counter() - start)
+    @in_flight.setter
+    def in_flight(self, futures: list[concurrent.futures.Future]) -> None:
+        self.jobs.in_flight = futures
 
     # ---- observation (op-by-op runs) ----------------------------------------------------------
     def observe(self, entry: TraceEntry, trace: Trace) -> None:
@@ -907,133 +302,8 @@ class CompileManager:
                 self._symbolic_replay(entry)
                 return None
             prog = self._program_for(entry, trace, live)
-            return None if prog is None else self._symbolic_program(entry, trace, prog)
+            return None if prog is None else self.sizes.program(entry, trace, prog)
         return self._program_for(entry, trace, live)
-
-    def _symbolic_program(self, entry: TraceEntry, trace: Trace, prog: Any) -> Any:
-        """Note [trusting a size]: the program for this size, unchecked when enough sizes
-        agreed and its guards hold here; a _CheckedSize run beside op-by-op replay while not;
-        None (op by op) for a size whose guards fail or whose check failed."""
-        st = trace.sym
-        g = entry.graph
-        if st is None or st.tpl is not entry.sym or st.s < 2 or g is None or not g.dynamic:
-            return None
-        s = st.s
-        rec = self._sym_sizes.get(entry.digest)
-        if rec is None or rec.prog is not prog:
-            rec = self._sym_sizes[entry.digest] = _SymSizes(prog)
-        elif s in rec.trusted:
-            return prog
-        fits = rec.fits.get(s, _UNREAD)
-        if fits is _UNREAD:
-            fits = self._guards_hold(entry, rec, trace, prog, g, s)
-            if fits is _UNREAD:
-                return None  # aliased inputs moved: this run goes op by op (as run_fused)
-        if fits is False:
-            return None
-        checked = rec.checked
-        ok = checked.get(s)
-        if ok is not None:
-            return prog if ok else None
-        if fits is True and len(checked) >= SYM_CHECKED_SIZES and all(checked.values()):
-            M.sym_trusted += 1
-            if len(rec.trusted) >= SYM_GUARD_MEMO:
-                rec.trusted.clear()
-            rec.trusted.add(s)
-            return prog
-        return _CheckedSize(self, entry, trace, prog, s, rec)
-
-    def _guards_hold(self, entry: TraceEntry, rec: _SymSizes, trace: Trace, prog: Any,
-                     g: graph_mod.TraceGraph, s: int) -> Any:
-        """The guard verdict at a new size (memoized in rec.fits): True, False (refused:
-        counted), None (cannot say: counted; the size is checked), or _UNREAD when this run's
-        inputs cannot be formed (the caller replays)."""
-        if rec.guards is _UNREAD:
-            data = getattr(prog, "ae_shape_guards", None)
-            try:
-                if data is None:
-                    raise ValueError("the program carries no shape guards")
-                rec.guards = ShapeGuards.decode(data)
-            except ValueError as err:
-                rec.guards = None
-                M.sym_guards_unknown += 1
-                log.info("adaptive_eager: trace %s: %s; every new size is checked against "
-                         "op-by-op replay", entry.digest[:12], err)
-        if rec.guards is None:
-            fits: bool | None = None
-        else:
-            from adaptive_eager.execute import ReplayGuard
-            from adaptive_eager.graph import ext_reals
-
-            with ReplayGuard():  # the engine's own tensor ops, as in run_fused
-                inputs = g.inputs([t.detach() for t in ext_reals(trace)], trace.scalars)
-            if inputs is None:
-                return _UNREAD
-            try:
-                fits = rec.guards.holds(inputs)
-            except (ValueError, IndexError, TypeError, OverflowError) as err:
-                fits = None
-                M.sym_guards_unknown += 1
-                log.info("adaptive_eager: trace %s: its shape guards could not be evaluated at "
-                         "s=%d (%s); that size is checked", entry.digest[:12], s, err)
-            if fits is False:
-                M.sym_guard_refused += 1
-                log.info("adaptive_eager: trace %s: s=%d violates its program's shape guards; "
-                         "that size runs op by op", entry.digest[:12], s)
-        if len(rec.fits) >= SYM_GUARD_MEMO:
-            rec.fits.clear()
-        rec.fits[s] = fits
-        return fits
-
-    def _store_sizes(self, entry: TraceEntry) -> None:
-        """Note [verified sizes]: after a check, the sizes go to the trace's statistics."""
-        if self.disk is None or entry.graph is None or entry.in_process:
-            return
-        try:
-            self.save_stats(entry, program_key=self._program_key(entry, entry.graph))
-        except Exception as err:  # never fails the run: the sizes are checked again later
-            M.disk_errors += 1
-            log.info("adaptive_eager: storing checked sizes failed: %s", err)
-
-    def _sizes_record(self, entry: TraceEntry, key: str | None, old: Any) -> Any:
-        """The ``sym_sizes`` statistics field: this process's checked sizes for the program
-        ``key``, merged with the stored ones for the same program (Note [verified sizes])."""
-        rec = self._sym_sizes.get(entry.digest)
-        if rec is None or not rec.checked or key is None:
-            return old
-        agreed = {s for s, ok in rec.checked.items() if ok}
-        bad = {s for s, ok in rec.checked.items() if not ok}
-        if type(old) is dict and old.get("program") == key:
-            agreed |= {s for s in old.get("agreed", ()) if type(s) is int}
-            bad |= {s for s in old.get("bad", ()) if type(s) is int}
-        agreed -= bad
-        return {"program": key, "agreed": sorted(agreed)[:SYM_SIZES_KEPT],
-                "bad": sorted(bad)[:SYM_SIZES_KEPT]}
-
-    def _load_sizes(self, entry: TraceEntry, stats: dict, key: str, program: Any) -> None:
-        """Seed the checked sizes of a program loaded from disk (Note [verified sizes])."""
-        got = stats.get("sym_sizes")
-        if got is None:
-            return
-        try:
-            if type(got) is not dict or got.get("program") != key:
-                return  # sizes of another program of this trace (a recompile)
-            agreed, bad = got.get("agreed", []), got.get("bad", [])
-            if (type(agreed) is not list or type(bad) is not list
-                    or not all(type(x) is int and x >= 2 for x in agreed + bad)):
-                raise ValueError("checked sizes that are not sizes")
-        except ValueError as err:
-            M.disk_errors += 1
-            log.info("adaptive_eager: stored checked sizes of %s ignored: %s", entry.digest[:12],
-                     err)
-            return
-        rec = self._sym_sizes[entry.digest] = _SymSizes(program)
-        for x in agreed[:SYM_SIZES_KEPT]:
-            rec.checked.setdefault(x, True)
-        for x in bad[:SYM_SIZES_KEPT]:
-            rec.checked[x] = False
-        rec.key = key
-        M.sym_sizes_loaded += len(agreed[:SYM_SIZES_KEPT]) + len(bad[:SYM_SIZES_KEPT])
 
     def _program_for(self, entry: TraceEntry, trace: Trace, live: list[int]) -> Any:
         local = None
@@ -1065,9 +335,9 @@ class CompileManager:
                     return self._program_for(entry, trace, live)
         if local is not None:  # outside the lock: other threads' flushes go on meanwhile
             if local[0] is _LOAD_HERE:
-                self._load_landed(entry, local[1], local[2])
+                self.jobs.load_landed(entry, local[1], local[2])
             else:
-                self._compile_here(entry, *local)
+                self.jobs.compile_here(entry, *local)
             with STATE_LOCK:
                 if entry.state in ("measuring", "fused") and set(live) <= entry.program_live \
                         and entry.graph.scalars_hold(trace.scalars):
@@ -1082,6 +352,15 @@ class CompileManager:
                 entry.state = "replay"
                 entry.decision = "op-by-op: symbolic sizes (no dynamic-size program yet)"
                 self._mark_decided(entry)
+
+    def _untime(self, entry: TraceEntry) -> None:
+        """A run that checked a size also replayed: it is no timing of the program."""
+        self._untimed = entry
+
+    def _save_sizes(self, entry: TraceEntry) -> None:
+        """Checked sizes to disk, with the key of the program they are about."""
+        if self.disk is not None:
+            self.save_stats(entry, program_key=self.programs.key(entry, entry.graph))
 
     def _rebake(self, entry: TraceEntry, g: graph_mod.TraceGraph, scalars: list[Any]) -> None:
         """A number compiled in as a constant changed: it varies after all. Mark it and compile
@@ -1199,224 +478,22 @@ class CompileManager:
         entry.loaded_state = "measuring"
         if self.disk is not None:  # hot (the next run compiles or loads it at once), and the
             # program's key for the next run's prefetch (Note [warm start])
-            self.save_stats(entry, hot=True, program_key=self._program_key(entry, g))
-        self._submitted[entry.digest] = time.perf_counter()
-        if (self._use_helper(entry) and self.options.compile_async
+            self.save_stats(entry, hot=True, program_key=self.programs.key(entry, g))
+        self.jobs.submitted[entry.digest] = time.perf_counter()
+        if (self.jobs.use_helper(entry) and self.options.compile_async
                 and not distributed.sync_compiles()):  # Note [ranks agree]
             label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
             # Sent now, before the compiler's modules are imported here: the service compiles
             # meanwhile, and the request outlives this process (Note [compile service]).
-            sock = self._send(entry, g, label) if self._use_service(entry) else None
+            sock = self.jobs.send(entry, g, label) if self.jobs.use_service(entry) else None
             if sock is not None:
-                self._start(entry, self._await_service, sock, g, entry, label=label)
+                self.jobs.start(entry, self.jobs.await_service, sock, g, entry, label=label)
             else:
-                self._start(entry, self._compile_remote, g, entry, label=label)
+                self.jobs.start(entry, self.jobs.compile_remote, g, entry, label=label)
             return None
         entry.state = "compiling"
         entry.future = None  # nobody else picks it up while this thread compiles
         return (g,)
-
-    def _use_helper(self, entry: TraceEntry) -> bool:
-        return (self.options.compile_process and getattr(self.backend, "separate_process", False)
-                and not entry.in_process and HELPER.broken is None
-                and entry.digest not in self._here
-                and not (entry.graph is not None and _has_user_ops(entry.graph)))
-
-    def _start(self, entry: TraceEntry, work: Any, *args: Any, label: str = "") -> None:
-        """Run a helper compile or a load in the worker thread (now, with compile_async off).
-        Nothing is imported for it (Note [import when a program lands])."""
-        entry.state = "compiling"
-        with STATE_LOCK:
-            M.compiles_pending += 1
-        if not self.options.compile_async or distributed.sync_compiles():  # Note [ranks agree]
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                fut.set_result(work(*args))
-            except Exception as err:
-                fut.set_exception(err)
-            entry.future = fut
-            self._finished(fut)
-            return
-        entry.future = WORKER.submit(work, *args, label=label)
-        entry.future.add_done_callback(self._finished)
-        self.in_flight.append(entry.future)
-
-    def _compile_here(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> None:
-        """Compile in this process, in the flushing thread (Note [in-process compiles])."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._import_compiler()
-        with STATE_LOCK:
-            M.compiles_pending += 1
-        try:
-            with _LOCAL_COMPILE:
-                if self._use_helper(entry):  # compile_async off: wait on the helper instead
-                    fut.set_result(self._compile_remote(g, entry))
-                else:
-                    fut.set_result(self._compile(g, entry))
-        except Exception as err:
-            fut.set_exception(err)
-        except BaseException:  # KeyboardInterrupt mid-compile: the trace may compile later
-            with STATE_LOCK:
-                entry.state = "new"
-            raise
-        finally:
-            self._finished(fut)
-        with STATE_LOCK:
-            entry.future = fut
-            again = self._compiled(entry)
-        if again is not None:  # the helper failed on the way: compile here after all
-            self._compile_here(entry, *again)
-
-    def _load_landed(self, entry: TraceEntry, landed: _Landed, seconds: float) -> None:
-        """Import the compiler and load a program the worker left unloaded, in the flushing
-        thread (Note [import when a program lands])."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            fut.set_result((self._load_compiled(landed.data, landed.graph, entry), seconds))
-        except Exception as err:
-            fut.set_exception(err)
-        with STATE_LOCK:
-            entry.future = fut
-            self._compiled(entry)
-
-    def _compile(self, g: graph_mod.TraceGraph, entry: TraceEntry) -> tuple[Any, float]:
-        """Compile in this process and store the program on disk."""
-        start = time.perf_counter()
-        label = f"trace {entry.digest[:12]} ({g.n_ops} ops)"
-        with outside_modes(), _compile_guard(), span("adaptive_eager.compile"), progress(label):
-            program = self.backend.compile(g)
-        seconds = time.perf_counter() - start
-        if g.dynamic:
-            M.sym_programs += 1
-        entry.from_bytes = False
-        M.compiles += 1
-        M.compile_seconds += seconds
-        self._store(entry, g, program, seconds)
-        return program, seconds
-
-    def _compile_remote(self, g: graph_mod.TraceGraph, entry: TraceEntry,
-                        service: bool = True) -> Any:
-        """In the worker: the service or the helper compiles; the bytes go to disk first (a
-        process that ends before using them still leaves them for the next run), then load."""
-        if service and self._use_service(entry):
-            sock = self._send(entry, g, f"trace {entry.digest[:12]} ({g.n_ops} ops)")
-            if sock is not None:
-                return self._await_service(sock, g, entry)
-        start = time.perf_counter()
-        try:
-            data, _ = HELPER.compile(self.backend, g)
-        except HelperFailed:  # counted and logged once by the helper's client
-            self._here.add(entry.digest)  # this request only, perhaps: never ask again for it
-            return COMPILE_HERE
-        seconds = time.perf_counter() - start
-        M.compiles += 1  # counted here: a process may end before a flush picks the program up
-        M.compile_seconds += seconds
-        if g.dynamic:
-            M.sym_programs += 1
-        self._store(entry, g, None, seconds, data)
-        return self._load_compiled(data, g, entry), seconds
-
-    def _load_compiled(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
-        if not _compiler_ready:  # Note [import when a program lands]
-            if WORKER.is_current():
-                return _Landed(data, g)
-            self._import_compiler()
-        start = time.perf_counter()
-        with outside_modes(), span("adaptive_eager.load"):
-            program = self.backend.load(data, g)
-        M.compile_load_seconds += time.perf_counter() - start
-        entry.from_bytes = True
-        self._note_ready(entry)
-        return program
-
-    def _note_ready(self, entry: TraceEntry) -> None:
-        """How long the trace waited, from its submit, for a program (metrics, report)."""
-        began = self._submitted.pop(entry.digest, None)
-        if began is None:
-            return
-        waited = time.perf_counter() - began
-        M.compile_wait_seconds += waited
-        if len(M.program_waits) < 200:
-            M.program_waits[entry.digest[:12]] = round(waited, 3)
-
-    # ---- the compile service (Note [compile service] in service.py) ---------------------------
-    def _use_service(self, entry: TraceEntry) -> bool:
-        """Only the built-in Inductor backend goes to the shared service (a backend defined by
-        one program is that program's code: its own helper runs it), and only with a writable
-        disk cache (the service stores what it compiles there)."""
-        from adaptive_eager.backends.inductor import InductorBackend
-
-        return (self.options.compile_service and _service_broken is None
-                and type(self.backend) is InductorBackend and self.disk is not None
-                and not self.disk.read_only and not entry.in_process)
-
-    def _send(self, entry: TraceEntry, g: graph_mod.TraceGraph, label: str) -> Any:
-        """Hand the compile to the service; the connection to read the answer from, or None
-        (the service is unavailable: counted, logged once, compiled by a helper of ours)."""
-        assert self.disk is not None
-        try:
-            payload = request_bytes(self.backend, g)
-        except Exception:  # not picklable: the helper path reports it as before
-            return None
-        header = {"op": "compile", "key": self._program_key(entry, g), "label": label,
-                  "torch": torch.__version__, "backend": self.backend.name, "n_ops": g.n_ops,
-                  "size_limit": self.options.cache_size_mb * 1024 * 1024, "pid": os.getpid()}
-        try:
-            sock = service_mod.request(self.disk.directory, header, payload,
-                                       idle_s=self.options.service_idle_s)
-        except service_mod.ServiceUnavailable as err:
-            _service_failed(str(err))
-            return None
-        with _SERVICE_LOCK:
-            _SERVICE_PENDING[id(sock)] = (label, str(self.disk.directory), sock, os.getpid())
-            M.service_pending += 1
-        return sock
-
-    def _await_service(self, sock: Any, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
-        """In the worker: the service's answer (the program is on disk by then), then load."""
-        try:
-            header, data = service_mod.recv_msg(sock)
-        except (OSError, EOFError, ValueError) as err:
-            if WORKER.closed:  # the program is exiting: the service goes on without us
-                raise concurrent.futures.CancelledError() from None
-            _service_failed(f"it went away mid-compile ({type(err).__name__}: {err})")
-            return self._compile_remote(g, entry, service=False)
-        finally:
-            with _SERVICE_LOCK:
-                if _SERVICE_PENDING.pop(id(sock), None) is not None:
-                    M.service_pending = max(M.service_pending - 1, 0)
-            try:
-                sock.close()
-            except OSError:
-                pass
-        status = header.get("status")
-        M.compile_queued_seconds += float(header.get("queued_s", 0.0) or 0.0)
-        if status == "ok":
-            seconds = float(header.get("compile_s", 0.0) or 0.0)
-            if header.get("shared") or header.get("from_disk"):
-                M.service_shared += 1  # someone else's compile: not one of ours
-            else:
-                M.compiles += 1
-                M.service_compiles += 1
-                M.compile_seconds += seconds
-                if g.dynamic:
-                    M.sym_programs += 1
-            self._store(entry, g, None, seconds, data, stored=bool(header.get("stored")))
-            return self._load_compiled(data, g, entry), seconds
-        if status == "error":
-            raise CompileFailed(str(header.get("error", "")), bool(header.get("transient")))
-        # unusable here, or its helper died: this compile goes to a helper of ours
-        M.helper_errors += 1
-        log.info("adaptive_eager: the compile service could not compile trace %s (%s: %s); "
-                 "compiling it in a helper of this process", entry.digest[:12], status,
-                 str(header.get("error", ""))[:200])
-        return self._compile_remote(g, entry, service=False)
-
-    def _finished(self, future: concurrent.futures.Future) -> None:
-        """When a compile or load ends (in the worker), even if no flush picks it up (the engine
-        may be aside meanwhile)."""
-        with STATE_LOCK:
-            M.compiles_pending = max(M.compiles_pending - 1, 0)
 
     def _compiled(self, entry: TraceEntry) -> tuple | None:
         """Pick up a finished compile or load (under STATE_LOCK); returns what to compile here
@@ -1443,8 +520,8 @@ class CompileManager:
         if (remote_cache.from_env() is not None and self.disk is not None
                 and entry.graph is not None):
             # Note [remote program store]: what compiled here, to the other machines
-            remote_cache.publish_from(self.disk, self._program_key(entry, entry.graph),
-                                      torch.__version__, self._plan_key(entry, entry.graph),
+            remote_cache.publish_from(self.disk, self.programs.key(entry, entry.graph),
+                                      torch.__version__, self.programs.plan_key(entry, entry.graph),
                                       entry.graph.lifted)
         log.info("adaptive_eager: program for trace %s (%d ops) ready after %.2fs",
                  entry.digest[:12], entry.n_ops, seconds)
@@ -1722,48 +799,7 @@ class CompileManager:
         self.save_stats(entry, failure={"stage": stage, "error": entry.error,
                                         "transient": transient})
 
-    # ---- disk ---------------------------------------------------------------------------------
-    def _program_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
-        extra = {}
-        if g.dynamic:  # programs with their shape guards (Note [program shape guards]): one
-            extra["guards"] = 1  # stored before them is not loaded, it compiles again once
-        trace = dict(digest=entry.digest, live=g.live, lifted=g.lifted, offsets=g.offsets,
-                     baked=tuple(zip(g.baked, g.baked_values)), **extra)
-        return program_key(trace, f"{self.backend.name}:{self.backend.options_key()}", g.state)
-
-    def _plan_key(self, entry: TraceEntry, g: graph_mod.TraceGraph) -> str:
-        """Where the remote store keeps the plan of this trace's program: from what a process
-        knows at the trace's first run (Note [remote program plan] in cache/remote.py)."""
-        trace = dict(digest=entry.digest, live=g.live, dynamic=g.dynamic, plan=1)
-        return program_key(trace, f"{self.backend.name}:{self.backend.options_key()}", g.state)
-
-    def _store(self, entry: TraceEntry, g: graph_mod.TraceGraph, program: Any,
-               seconds: float, data: bytes | None = None, stored: bool = False) -> None:
-        if self.disk is None or entry.in_process:
-            return
-        if stored:  # the compile service wrote it (Note [compile service])
-            self.save_stats(entry, hot=True, compiled=True, program_key=self._program_key(entry, g))
-            return
-        try:
-            if data is None:
-                with outside_modes():
-                    data = self.backend.serialize(program)
-        except Exception as err:
-            M.disk_errors += 1
-            log.info("adaptive_eager: program of %s not serializable: %s", entry.digest[:12], err)
-            return
-        key = self._program_key(entry, g)
-        self.disk.put_program(key, torch.__version__, self.backend.name,
-                              data, {"n_ops": g.n_ops, "compile_s": seconds})
-        self.save_stats(entry, hot=True, compiled=True, program_key=key)
-
-    def _retry_failure(self, failure: dict) -> bool:
-        """Whether a failure stored by an earlier process is worth trying again here."""
-        if not failure.get("transient"):
-            return False
-        return (int(failure.get("count", 1)) <= TRANSIENT_RETRIES
-                or time.time() - float(failure.get("at", 0.0)) >= RETRY_AFTER_S)
-
+    # ---- disk (programs: compile/programs.py) -------------------------------------------------
     def _from_disk(self, entry: TraceEntry, trace: Trace, live: list[int]) -> bool:
         """Start loading a program (or take a past decision) for this trace from the disk cache.
 
@@ -1782,7 +818,7 @@ class CompileManager:
         stats = stats or {}  # Note [remote program store]: the program may be on the store
         remeasure = entry.digest in self._remeasure
         failure = stats.get("failure")
-        retry = bool(failure) and self._retry_failure(failure)
+        retry = bool(failure) and self.programs.retry_failure(failure)
         if retry:
             log.info("adaptive_eager: trace %s failed transiently before (%s, %d time(s)); "
                      "trying again", entry.digest[:12], failure.get("error", "")[:120],
@@ -1809,26 +845,10 @@ class CompileManager:
             # measured it, so the keep decision and stepping aside have something to weigh it
             # against (this process may never replay the trace).
             entry.replay_s = [stats["replay_ms"] / 1e3]
-        try:  # a template's entry: its dynamic-size graph (Note [symbolic programs])
-            g = graph_mod.build(trace, live, entry.varying,
-                                template=trace.sym if entry.sym is not None else None)
-        except Exception:
+        found = self.programs.find(entry, trace, live)
+        if found is None:
             return False
-        key = self._program_key(entry, g)
-        program = self._take_prefetched(key)
-        if program is not None:
-            M.disk_hits += 1
-        else:
-            value = self._stored_program(key)
-            if value is None:  # Note [remote program plan] in cache/remote.py
-                g, key, value = self._by_remote_plan(entry, trace, live, g, key)
-            if value is None:
-                M.disk_misses += 1
-                return False
-            program = self._load_now(value["artifact"], g, entry)
-            if program is None:  # counted and logged: compiled again, at once (it was hot)
-                entry.was_hot = True
-                return False
+        g, key, program = found
         entry.graph = g
         entry.program_live = frozenset(live)
         entry.decision = (f"{stats['decision']} (loaded)" if stats.get("decision")
@@ -1836,117 +856,17 @@ class CompileManager:
         entry.from_bytes = True
         entry.program = program
         if entry.sym is not None:  # Note [verified sizes]
-            self._load_sizes(entry, stats, key, program)
+            self.sizes.load(entry, stats, key, program)
         entry.compile_s = 0.0
         entry.state = entry.loaded_state = "measuring"  # measured again: this process differs
         return True
 
-    def _stored_program(self, key: str) -> dict | None:
-        """The program stored under ``key``: on disk, else the remote store's (Note [remote
-        program store]), written to disk and read back from there."""
-        value = self.disk.get_program(key, torch.__version__)
-        if value is None and remote_cache.fetch_into(self.disk, key, torch.__version__):
-            value = self.disk.get_program(key, torch.__version__)
-        return value
-
-    def _by_remote_plan(self, entry: TraceEntry, trace: Trace, live: list[int],
-                        g: graph_mod.TraceGraph, key: str) -> tuple[Any, str, dict | None]:
-        """Note [remote program plan] in cache/remote.py: the program another machine compiled
-        for this trace, found through the numbers it lifted (graph, key and stored value), or
-        ``(g, key, None)``."""
-        plan = remote_cache.fetch_plan(self._plan_key(entry, g), torch.__version__)
-        if plan is None:
-            return g, key, None
-        varying = entry.varying | {i for i in plan if i < len(trace.scalars)}
-        if varying == entry.varying:  # nothing this process does not know: the same key
-            return g, key, None
-        try:
-            planned = graph_mod.build(trace, live, varying,
-                                      template=trace.sym if entry.sym is not None else None)
-        except Exception:
-            return g, key, None
-        planned_key = self._program_key(entry, planned)
-        value = self._stored_program(planned_key)
-        if value is None:
-            return g, key, None
-        entry.varying |= varying  # lifted numbers are inputs: correct whatever their values
-        return planned, planned_key, value
-
-    def _load_now(self, data: bytes, g: graph_mod.TraceGraph, entry: TraceEntry) -> Any:
-        """Note [warm start]
-        A program on disk is loaded at the trace's first run in this process, in the flushing
-        thread, and used by that very run: deserializing an Inductor artifact takes 7-23 ms
-        here (the compiler's modules are imported once before, as for any load). Programs this
-        script used in its recent runs are loaded even earlier, in the worker, from engine start
-        on (``_prefetch``: their keys are in the statistics), so those first runs find them
-        ready. Returns None when the program fails to load (counted in ``disk_errors``)."""
-        self._import_compiler()
-        start = time.perf_counter()
-        try:
-            with outside_modes(), span("adaptive_eager.load"):
-                program = self.backend.load(data, g)
-        except Exception as err:
-            M.disk_errors += 1
-            log.warning("adaptive_eager: cached program for %s failed to load (%s); "
-                        "compiling it instead", entry.digest[:12], err)
-            return None
-        seconds = time.perf_counter() - start
-        M.compile_load_seconds += seconds
-        M.disk_hits += 1
-        if len(M.program_waits) < 200:
-            M.program_waits[entry.digest[:12]] = round(seconds, 3)
-        return program
-
     def save_stats(self, entry: TraceEntry, hot: bool = False, failure: dict | None = None,
                    sample: bool = False, compiled: bool = False,
                    program_key: str | None = None) -> None:
-        """Merge this process's view of the trace into its statistics on disk (Note [persisted
-        decisions]): samples accumulate, a failure counts up, a success clears it."""
-        if self.disk is None:
-            return
-        try:
-            old = self.disk.get_stats(entry.digest) or {}
-        except Exception:
-            old = {}
-        summary = entry.summary()
-        samples = [s for s in old.get("samples", ()) if isinstance(s, dict)]
-        decision = entry.decision
-        # the sample is what _decide compared, not the medians (Note [persisted decisions])
-        decided = entry.decided_s
-        if sample and decided is not None and math.isfinite(decided[1]):
-            samples = (samples + [{"fused_ms": round(decided[0] * 1e3, 4),
-                                   "replay_ms": round(decided[1] * 1e3, 4),
-                                   "at": round(time.time(), 1)}])[-_SAMPLES:]
-            keep, ratio = _combine(samples)
-            decision = (f"{'fused' if keep else 'op-by-op'}: median fused/op-by-op "
-                        f"{ratio:.2f} over {len(samples)} measurement(s); here {entry.decision}")
-        elif not decision and old.get("decision"):
-            decision = old["decision"]  # a hot mark or a store keeps what was decided
-        stored_failure = old.get("failure")
-        if failure is not None:
-            same = stored_failure and stored_failure.get("stage") == failure["stage"]
-            failure = dict(failure, at=round(time.time(), 1),
-                           count=(int(stored_failure.get("count", 1)) + 1) if same else 1)
-        elif compiled or sample:
-            failure = None  # compiled fine here: an earlier transient failure is over
-        else:
-            failure = stored_failure
-        if compiled and decision.startswith("op-by-op") and old.get("failure"):
-            decision = ""  # the failure this decision recorded is over
-        self.disk.put_stats(entry.digest, {
-            "torch": torch.__version__, "hot": hot or entry.runs >= self.options.hot_after
-            or entry.was_hot or bool(old.get("hot")), "decision": decision,
-            "varying": sorted(entry.varying | set(old.get("varying", ()))),
-            "replay_ms": summary["replay_ms"] or old.get("replay_ms"),
-            "fused_ms": summary["fused_ms"] or old.get("fused_ms"),
-            "compile_s": entry.compile_s or old.get("compile_s", 0.0), "n_ops": entry.n_ops,
-            "runs": entry.runs, "error": entry.error, "in_process": entry.in_process,
-            "failure": failure, "samples": samples,
-            "program_key": program_key or old.get("program_key"),
-            "sym_sizes": self._sizes_record(entry, program_key or old.get("program_key"),
-                                            old.get("sym_sizes")),  # Note [verified sizes]
-            "script": _script_id() or old.get("script", ""), "used_at": round(time.time(), 1),
-        })
+        """The trace's statistics, merged into those on disk (Note [persisted decisions])."""
+        self.programs.save_stats(entry, hot=hot, failure=failure, sample=sample,
+                                 compiled=compiled, program_key=program_key)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until submitted compiles finish (tests and benchmarks use this)."""

@@ -393,7 +393,7 @@ def _intent(mgr: Any, entry: Any) -> tuple[str, dict | None]:
     import torch
 
     failure = stats.get("failure")
-    retry = bool(failure) and mgr._retry_failure(failure)
+    retry = bool(failure) and mgr.programs.retry_failure(failure)
     if (str(stats.get("decision", "")).startswith("op-by-op") and not retry
             and stats.get("torch") == torch.__version__):
         return f"replay:{stats['decision']} (earlier run)", stats
@@ -440,15 +440,15 @@ def _one_compile_per_machine(mgr: Any, entry: Any, trace: Any, live: Any) -> Non
     store = _store()
     if disk is None or store is None or entry.in_process:
         return
-    use_service = getattr(mgr, "_use_service", None)
-    if use_service is not None and use_service(entry):
+    jobs = getattr(mgr, "jobs", None)  # where its compiles run (compile/jobs.py)
+    if jobs is not None and jobs.use_service(entry):
         return  # the compile service compiles each key once for every process of the machine
     from adaptive_eager import graph as graph_mod
     import torch
 
     try:
         g = graph_mod.build(trace, live, entry.varying)
-        key = mgr._program_key(entry, g)
+        key = mgr.programs.key(entry, g)
         if disk.get_program(key, torch.__version__) is not None:
             return  # already there: _from_disk loads it
     except Exception:

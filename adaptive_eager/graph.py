@@ -660,11 +660,11 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
 # that process's first s). The backend refuses a program whose dynamic size became a constant
 # (Note [specializing kernels] in backends/inductor.py). The compiler runs the first fused
 # run at each new size on copies next to op-by-op replay and returns replay's values
-# (compiler._CheckedSize) until SYM_CHECKED_SIZES sizes agreed (in this process or, stored
-# with the program, in an earlier one: Note [verified sizes] in compiler.py); after that a new
+# (compile/sizes.py, _CheckedSize) until SYM_CHECKED_SIZES sizes agreed (in this process or, stored
+# with the program, in an earlier one: Note [verified sizes] in compile/sizes.py); after that a new
 # size runs the program directly, as a static program does, if the program's own shape guards
 # hold at it (kept with the artifact as data: Note [program shape guards] in
-# backends/inductor.py), and op by op if they fail (Note [trusting a size] in compiler.py). A
+# backends/inductor.py), and op by op if they fail (Note [trusting a size] in compile/sizes.py). A
 # size whose program raised or differed stays op by op, two such sizes quarantine the trace.
 class _PolyArg:
     """An int argument that follows s, until the graph computes it."""

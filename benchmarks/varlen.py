@@ -143,7 +143,7 @@ def _engine_summary(start: dict[str, Any], mid: dict[str, Any], end: dict[str, A
         "compile_waits": _delta(end, start, "compile_waits"),
         "ops_intercepted": _delta(end, start, "ops_intercepted"),
         "engine_errors": _delta(end, start, "engine_errors"),
-        # symbolic programs (Note [trusting a size] in compiler.py)
+        # symbolic programs (Note [trusting a size] in compile/sizes.py)
         **{name: _delta(end, start, name) for name in (
             "sym_hits", "sym_checked", "sym_trusted", "sym_guard_refused", "sym_guards_unknown",
             "sym_sizes_loaded", "sym_program_fallbacks") if name in end},
@@ -609,7 +609,7 @@ def _table(results: dict[str, dict[str, dict[str, Any]]], size: str = "small") -
 
 
 def _sym_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
-    """Symbolic programs per engine row (Note [trusting a size] in compiler.py): the priming
+    """Symbolic programs per engine row (Note [trusting a size] in compile/sizes.py): the priming
     processes' compiles, then over the timed process: fused runs, sizes checked against replay,
     sizes run unchecked by their guards, sizes the guards refused, sizes loaded as checked."""
     rows = []

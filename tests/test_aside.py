@@ -17,6 +17,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import compiler
+from adaptive_eager.compile import programs
 from adaptive_eager.calibrate import calibrate
 from helpers import train_steps
 
@@ -265,13 +266,13 @@ def test_plain_eager_while_a_compile_is_in_flight(monkeypatch: pytest.MonkeyPatc
     # Compiles run in the helper process (in-process ones run at the flush, Note [in-process
     # compiles]); storing its answer, in the worker thread, is made slow too, so the compile is
     # in flight for a while however fast the helper is.
-    real_store = compiler.CompileManager._store
+    real_store = programs.Programs.store
 
-    def slow_store(self: compiler.CompileManager, *args: object, **kwargs: object) -> object:
+    def slow_store(self: programs.Programs, *args: object, **kwargs: object) -> object:
         time.sleep(1.5)  # in the worker: the compile stays in flight for a while
         return real_store(self, *args, **kwargs)
 
-    monkeypatch.setattr(compiler.CompileManager, "_store", slow_store)
+    monkeypatch.setattr(programs.Programs, "store", slow_store)
     _no_estimate(monkeypatch)
     monkeypatch.setattr("adaptive_eager.aside.TRIAL_TICKS", 10_000)  # no trial in this test
     torch.manual_seed(0)

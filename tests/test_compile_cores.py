@@ -11,6 +11,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import aside, compiler
+from adaptive_eager.compile import programs
 from adaptive_eager.cores import CoreLoan, usable_cores
 
 CORES = usable_cores()
@@ -71,13 +72,13 @@ def test_waiting_aside_lends_a_core_inside_the_context_only(
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path, threads_per_core: int,
         lend: bool) -> None:
 
-    real_store = compiler.CompileManager._store
+    real_store = programs.Programs.store
 
-    def slow_store(self: compiler.CompileManager, *args: object, **kwargs: object) -> object:
+    def slow_store(self: programs.Programs, *args: object, **kwargs: object) -> object:
         time.sleep(1.5)  # in the worker: the compile stays in flight for a while
         return real_store(self, *args, **kwargs)
 
-    monkeypatch.setattr(compiler.CompileManager, "_store", slow_store)
+    monkeypatch.setattr(programs.Programs, "store", slow_store)
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
     monkeypatch.setattr(aside, "TRIAL_TICKS", 10_000)  # no trial in this test
     w, x = torch.randn(32, 32), torch.randn(8, 32)

@@ -1,4 +1,4 @@
-"""Note [import when a program lands] (compiler.py): sending a hot trace to the compile service
+"""Note [import when a program lands] (compile/jobs.py): sending a hot trace to the compile service
 imports nothing of Inductor in the program; the first program that lands is imported and loaded
 in the program's thread, and used."""
 

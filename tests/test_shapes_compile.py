@@ -2,7 +2,7 @@
 adaptive_eager/graph.py): a hot template trace compiles once into one Inductor program that
 serves every value of s; the first fused run at each new size is checked against op-by-op
 replay until SYM_CHECKED_SIZES sizes agreed, then a new size runs the program directly if the
-program's shape guards hold at it, and op by op if not (Note [trusting a size] in compiler.py).
+program's shape guards hold at it, and op by op if not (Note [trusting a size] in compile/sizes.py).
 The program is loaded from the disk cache by a later process.
 
 Eager runs first on the same inputs; fused results are compared within the tolerance the

@@ -1,6 +1,6 @@
 """A dynamic-size program's shape guards (Note [program shape guards] in
 adaptive_eager/backends/inductor.py) and the rule that uses them (Note [trusting a size], Note
-[verified sizes] in adaptive_eager/compiler.py): the guards Inductor recorded are kept with the
+[verified sizes] in adaptive_eager/compile/sizes.py): the guards Inductor recorded are kept with the
 artifact as data, decoded and evaluated without sympy or eval, survive the disk cache, refuse a
 size that violates them (op by op, eager's bits), and, when unreadable, fall back to checking
 every new size. Checked sizes are stored with the program, so a later process checks none again.

@@ -11,6 +11,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import aside, compiler
+from adaptive_eager.compile import programs
 from adaptive_eager.calibrate import calibrate
 
 
@@ -94,13 +95,13 @@ def test_waiting_aside_while_compiling(monkeypatch: pytest.MonkeyPatch,
                                        cache_dir: Path) -> None:
     """Note [waiting aside] through sync rounds: while the compile is in flight the loop runs
     plain eager (no op intercepted), then the engine comes back and uses the program."""
-    real_store = compiler.CompileManager._store
+    real_store = programs.Programs.store
 
-    def slow_store(self: compiler.CompileManager, *args: object, **kwargs: object) -> object:
+    def slow_store(self: programs.Programs, *args: object, **kwargs: object) -> object:
         time.sleep(1.5)  # in the worker, the compile in flight (a warm Inductor cache is quick)
         return real_store(self, *args, **kwargs)
 
-    monkeypatch.setattr(compiler.CompileManager, "_store", slow_store)
+    monkeypatch.setattr(programs.Programs, "store", slow_store)
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
     monkeypatch.setattr(aside, "TRIAL_TICKS", 10_000)  # no trial in this test
     a, b = _solver()

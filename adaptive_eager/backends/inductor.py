@@ -280,8 +280,8 @@ def _not_specialized(fakes: list[Any], stage: str) -> None:
 # helper process, the compile service, the disk cache and the remote store carry it without
 # change, under the disk cache's HMAC. Nothing in it is executed: the engine decodes it with a
 # fixed table of operators and evaluates it with plain integer arithmetic
-# (compiler.ShapeGuards), never through sympy (sympify evaluates strings) or eval. A program
-# serialized before this (no block) loads with guards None, treated as unknown.
+# (ShapeGuards in compile/sizes.py), never through sympy (sympify evaluates strings) or eval. A
+# program serialized before this (no block) loads with guards None, treated as unknown.
 _GUARDS_TAG = b"AEG1"
 _REL = ("==", "!=", "<", "<=", ">", ">=")
 

@@ -420,8 +420,8 @@ class DiskCache:
 
     def recent_programs(self, script: str, limit: int) -> list[str]:
         """Program keys that runs of ``script`` stored or used, newest first, whose programs are
-        still here (the prefetch at engine start, Note [warm start] in compiler.py). Reads the
-        statistics' JSON headers only."""
+        still here (the prefetch at engine start, Note [warm start] in compile/programs.py). Reads
+        the statistics' JSON headers only."""
         rows = self._sql("SELECT key, value FROM entries WHERE key LIKE 'stats:%' "
                          "ORDER BY accessed DESC LIMIT 500")
         found: list[tuple[float, str]] = []

@@ -75,7 +75,7 @@ class TraceEntry:
         self.fused_n: list[int] = []
         self.paired_n: list[int] = []
         # (fused, op by op) seconds the keep decision compared: what goes to disk as this
-        # process's sample (Note [persisted decisions] in compiler.py)
+        # process's sample (Note [persisted decisions] in compile/programs.py)
         self.decided_s: tuple[float, float] | None = None
         self.compile_s = 0.0
         self.decision = ""

@@ -113,7 +113,7 @@ PROGRAM: dict[str, Check] = {
 }
 PROGRAM_REQUIRED = ("format", "torch", "backend", "size")
 
-TRACE_STATS: dict[str, Check] = {  # CompileManager.save_stats writes these (compiler.py)
+TRACE_STATS: dict[str, Check] = {  # Programs.save_stats writes these (compile/programs.py)
     "torch": text(200), "hot": flag, "decision": text(), "varying": list_of(integer(0, 1 << 31)),
     "replay_ms": optional(_MS), "fused_ms": optional(_MS), "compile_s": optional(_MS),
     "n_ops": integer(), "runs": integer(), "error": optional(text()), "in_process": flag,

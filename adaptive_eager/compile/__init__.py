@@ -1,0 +1,1 @@
+"""Programs: build, compile, store, run, decide (the compiler's parts; compiler.py wires them)."""
