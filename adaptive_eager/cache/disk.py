@@ -590,8 +590,8 @@ class DiskCache:
         return self._db_bytes() + self._folder.size() + self._other_bytes
 
     def enforce_limit(self, rescan: bool = False, limit: int | None = None) -> int:
-        """Evict least recently used programs and kernel subfolders until the folder fits;
-        returns how many were evicted. Never raises."""
+        """Evict least recently used program entries and orphan kernels until the folder fits
+        (Note [cache size]); returns how many were evicted. Never raises."""
         limit = self.size_limit if limit is None else limit
         if self.read_only:
             return 0
