@@ -385,12 +385,10 @@ class DiskCache:
             return
         try:
             blob = self.encode(key, header, payload)
-            row = ("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
-                   "VALUES (?, ?, ?, ?)", (key, blob, len(blob), time.time()))
-            if key.startswith(_PROGRAM):  # with the kernels it names: Note [program entries]
-                self._transaction(_refs_steps(key, payload) + [row])
-            else:
-                self._sql(*row)
+            if key.startswith(_PROGRAM):  # the kernels it names first: Note [program entries]
+                self._transaction(_refs_steps(key, payload))
+            self._sql("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
+                      "VALUES (?, ?, ?, ?)", (key, blob, len(blob), time.time()))
         except Exception as err:  # full disk, read-only folder, locked database
             M.disk_errors += 1
             if "readonly" in str(err).lower():
