@@ -115,6 +115,10 @@ def isolate_vec_isa_probe() -> bool:
         return False
 
     def _probe_load(self: object, output_path: str) -> bool:
+        try:  # a use: the size limit evicts orphan kernels by age (Note [program entries])
+            os.utime(output_path)
+        except OSError:
+            pass
         return probe_load(source.replace("__lib_path__", output_path))
 
     _probe_load._ae_isolated = True  # type: ignore[attr-defined]

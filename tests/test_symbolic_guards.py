@@ -24,6 +24,7 @@ from torch.utils._sympy import functions as F
 import adaptive_eager as ae
 from adaptive_eager.backends.inductor import (_GUARDS_TAG, _enc_expr, _Unknown, pack_guards,
                                               unpack_guards)
+from adaptive_eager.cache import kernel_refs
 from adaptive_eager.compiler import SYM_CHECKED_SIZES, ShapeGuards
 
 LEARN = [5, 7, 9, 11, 13, 6, 8, 10, 20, 33, 17]  # a template, hot, and 3 sizes checked
@@ -141,6 +142,8 @@ def test_stored_guards_are_data(compiled: Path) -> None:
     x = torch.empty(2, 21, 16)
     assert sg.holds([x]) and sg.holds([torch.empty(2, 33, 16)])
     assert not sg.holds([torch.empty(2, 1, 16)])  # the 0/1 specialization: s >= 2
+    kernels, rest = kernel_refs.unpack(rest)  # then the kernels it uses (Note [program entries])
+    assert len(kernels) >= 2, kernels  # its wrapper and its C++ kernel
     assert bytes(rest[:1]) == b"\x80"  # torch's pickle follows
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from adaptive_eager.cache import pins
+from adaptive_eager.cache import kernel_refs, pins
 from adaptive_eager.isolation import isolate_vec_isa_probe
 
 log = logging.getLogger("adaptive_eager")
@@ -119,8 +119,9 @@ class InductorBackend:
         use_kernel_dir(choose_kernel_dir(cache_dir))
 
     def serialize(self, program: Any) -> bytes:
+        data = program.serialize()
         return _build_key() + pack_guards(getattr(program, "ae_shape_guards", None)) + \
-            program.serialize()
+            kernel_refs.pack(kernel_keys(data)) + data  # Note [program entries]
 
     def load(self, data: bytes, graph: Any) -> Any:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
@@ -130,10 +131,55 @@ class InductorBackend:
         if not data.startswith(key):
             raise ValueError("artifact was compiled by another torch build")
         guards, rest = unpack_guards(memoryview(data)[len(key):])
+        keys, rest = kernel_refs.unpack(rest)
         with pins.compiling(chosen_kernel_dir()):  # evicted kernels are rebuilt here
+            missing = _missing(chosen_kernel_dir(), keys)
+            if missing:  # Note [program entries]: rebuilt from the artifact's source
+                log.info("adaptive_eager: %d kernel(s) of a stored program are gone (%s); "
+                         "rebuilding them", len(missing), missing[0])
             program = AOTCompiledArtifact.deserialize(bytes(rest))
         program.ae_shape_guards = guards
         return program
+
+
+def kernel_keys(data: bytes) -> list[str]:
+    """The keys of the kernel files a program just compiled or loaded here uses: its wrapper
+    (named in its serialized bytes ``data``) and the kernels in the wrapper's globals, each from
+    a module named after its key (Note [program entries])."""
+    folder = chosen_kernel_dir() + os.sep
+    loaded: dict[str, Any] = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path.startswith(folder):
+            loaded[os.path.basename(path).split(".")[0]] = module
+    keys = {k.decode() for k in set(kernel_refs.KEY_BYTES.findall(data))}
+    for key in list(keys):
+        wrapper = loaded.get(key)
+        if wrapper is None:
+            continue
+        for value in list(vars(wrapper).values()):
+            try:  # ``torch.ops`` namespaces look any attribute up as an operator
+                owners = (value, getattr(value, "fn", None))  # a Triton kernel: its .fn
+                names = [getattr(owner, "__module__", None) for owner in owners]
+            except Exception:
+                continue
+            for name in names:
+                if isinstance(name, str):
+                    keys.update(kernel_refs.KEY.findall(name))
+    return sorted(keys)
+
+
+def _missing(folder: str, keys: list[str]) -> list[str]:
+    """The keys of ``keys`` with no file left in kernel folder ``folder``."""
+    gone = []
+    for key in keys:
+        try:
+            names = os.listdir(os.path.join(folder, key[1:3]))
+        except OSError:
+            names = []
+        if not any(n.startswith(key) for n in names):
+            gone.append(key)
+    return gone
 
 
 class _num_threads:

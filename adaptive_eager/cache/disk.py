@@ -20,13 +20,20 @@ Note [cache size]
 ``cache_size_mb`` bounds everything the folder holds: the database, the run logs and Inductor's
 kernels in ``<dir>/inductor``. At open and after every program stored (by this process or by
 the compile service) the folder is measured again (one walk without following links: a compile
-writes its kernels before its program is stored) and the least recently used programs and kernel
-subfolders are evicted until it fits. Eviction never removes what a live process relies on
-(Note [kernel pins] in pins.py): precompiled headers and Inductor's locks while any process
-uses the folder, kernels written since a compile in flight began. A folder whose limit cannot
-hold precompiled headers (``pins.PCH_MIN_LIMIT``) compiles without them. Evicted kernels of a
-program still stored are rebuilt from the program's bundled source when it is loaded. A
-corrupt database is moved aside (``cache.sqlite.corrupt``) and rebuilt; a folder this user
+writes its kernels before its program is stored) and, while it is over the limit, the least
+recently used of these go (``evict.choose``): a whole program entry, its row together with the
+kernel files no other stored program names (Note [program entries] in kernel_refs.py), or an
+orphan, kernel files no stored program names, by age. A stored program's kernels therefore go
+only with it, and an evicted program is a plain miss: compiled again, as if never stored.
+Eviction never removes what a live process relies on (Note [kernel pins] in pins.py):
+precompiled headers and Inductor's locks while any process uses the folder, kernels written
+since a compile in flight began (a program whose own kernels are among them stays whole). A
+folder whose limit cannot hold precompiled headers (``pins.PCH_MIN_LIMIT``) compiles without
+them. Kernels of a stored program that are gone all the same (deleted by hand, an entry of an
+earlier format) are rebuilt from the source in its artifact when it is loaded. An eviction
+costs the walk, two queries and one transaction: with 2,000 programs and 8,000 kernel files
+(67 MiB) the walk alone takes 0.05 s, evicting 1% of the folder 0.1 s, 10% 0.2 s (2 cores).
+A corrupt database is moved aside (``cache.sqlite.corrupt``) and rebuilt; a folder this user
 cannot write is served read-only.
 """
 
@@ -49,7 +56,7 @@ from typing import Any
 from urllib.parse import quote
 
 
-from adaptive_eager.cache import pins, trust, values
+from adaptive_eager.cache import evict, kernel_refs, pins, trust, values
 from adaptive_eager.cache.trust import Untrusted
 from adaptive_eager.metrics import METRICS as M
 
@@ -135,7 +142,7 @@ class DiskCache:
         self._conn: sqlite3.Connection | None = None
         self._connect()
         self._scanned_at = 0.0
-        self._kernels: dict[str, tuple[int, float]] = {}
+        self._folder = evict.Folder()  # the kernel folder as last scanned
         self._other_bytes = 0
         self._rescan()  # the trust check of the kernels, also in a read-only folder
         if not self.read_only:
@@ -254,6 +261,8 @@ class DiskCache:
                 conn.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, "
                              "value BLOB NOT NULL, size INTEGER NOT NULL, "
                              "accessed REAL NOT NULL)")
+                conn.execute("CREATE TABLE IF NOT EXISTS kernels (program TEXT NOT NULL, "
+                             "key TEXT NOT NULL, PRIMARY KEY (program, key)) WITHOUT ROWID")
                 conn.execute("SELECT count(*) FROM entries").fetchone()
         except sqlite3.DatabaseError as err:
             if not _corrupt(err) or self.read_only:
@@ -296,6 +305,19 @@ class DiskCache:
                 self._move_aside(err)
                 self._connect()
                 return self._db().execute(query, args).fetchall()
+
+    def _transaction(self, steps: list[tuple[str, tuple | list]]) -> None:
+        """Run ``steps`` (statement, arguments; a list of argument tuples runs each) as one
+        transaction; a damaged database is moved aside and rebuilt (once)."""
+        with self._lock:
+            try:
+                _run_steps(self._db(), steps, transaction=True)
+            except sqlite3.DatabaseError as err:
+                if not _corrupt(err) or self.read_only:
+                    raise
+                self._move_aside(err)
+                self._connect()
+                _run_steps(self._db(), steps, transaction=True)
 
     # ---- values ---------------------------------------------------------------------------------
     def _mac(self, key: str, body: bytes) -> bytes:
@@ -363,6 +385,8 @@ class DiskCache:
             return
         try:
             blob = self.encode(key, header, payload)
+            if key.startswith(_PROGRAM):  # the kernels it names first: Note [program entries]
+                self._transaction(_refs_steps(key, payload))
             self._sql("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
                       "VALUES (?, ?, ?, ?)", (key, blob, len(blob), time.time()))
         except Exception as err:  # full disk, read-only folder, locked database
@@ -379,6 +403,7 @@ class DiskCache:
         if not self.read_only:
             try:
                 self._sql("DELETE FROM entries WHERE key = ?", (key,))
+                self._sql("DELETE FROM kernels WHERE program = ?", (key,))
             except Exception:
                 pass
 
@@ -479,6 +504,8 @@ class DiskCache:
                     if why is not None:
                         raise BadEntry(f"{key[:40]}: {why}")
                     blob = self.encode(key, header, payload)
+                    if key.startswith(_PROGRAM):
+                        _run_steps(db, _refs_steps(key, payload))
                     db.execute("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
                                "VALUES (?, ?, ?, ?)", (key, blob, len(blob), time.time()))
                     n += 1
@@ -501,17 +528,25 @@ class DiskCache:
     def clear(self) -> int:
         n = self._sql("SELECT count(*) FROM entries")[0][0]
         self._sql("DELETE FROM entries")
+        self._sql("DELETE FROM kernels")
         trust.remove_tree(self.directory / INDUCTOR_DIR)
-        self._kernels = {}
+        self._folder = evict.Folder()
         return int(n)
 
     # ---- size -----------------------------------------------------------------------------------
     def _db_bytes(self) -> int:
+        """The database's files, and the secret and folders around everything else."""
         total = 0
         for name in (DB_NAME, DB_NAME + "-journal", DB_NAME + ".corrupt"):
             try:
-                total += os.lstat(self.directory / name).st_size
+                st = os.lstat(self.directory / name)
             except OSError:
+                continue
+            total += max(st.st_size, getattr(st, "st_blocks", 0) * 512)
+        for name in (".", SECRET_NAME, INDUCTOR_DIR, RUNS_DIR):
+            try:
+                total += os.lstat(self.directory / name).st_blocks * 512
+            except (OSError, AttributeError):
                 pass
         return total
 
@@ -528,15 +563,14 @@ class DiskCache:
             if not self.read_only:
                 trust.remove_tree(kernels)
                 trust.private_subdir(self.directory, INDUCTOR_DIR)
-        _, children, bad = trust.scan(kernels)
-        for name, why in bad.items():
+        folder = evict.scan(kernels)
+        for name, why in folder.bad.items():
             self._refused(f"kernels:{kernels}", f"Inductor kernels: {why}; removing "
                           f"{kernels / name}")
             if self.read_only:
                 raise Untrusted(f"Inductor kernels in a read-only cache folder: {why}")
             trust.remove_tree(kernels / name)
-            children.pop(name, None)
-        self._kernels = children
+        self._folder = folder
         self._other_bytes = trust.scan(self.directory / RUNS_DIR)[0]
         self._scanned_at = time.monotonic()
 
@@ -551,12 +585,11 @@ class DiskCache:
 
     def usage(self) -> int:
         """Bytes the folder holds: database, Inductor kernels, run logs (as last measured)."""
-        return (self._db_bytes() + sum(s for s, _ in self._kernels.values())
-                + self._other_bytes)
+        return self._db_bytes() + self._folder.size() + self._other_bytes
 
     def enforce_limit(self, rescan: bool = False, limit: int | None = None) -> int:
-        """Evict least recently used programs and kernel subfolders until the folder fits;
-        returns how many were evicted. Never raises."""
+        """Evict least recently used program entries and orphan kernels until the folder fits
+        (Note [cache size]); returns how many were evicted. Never raises."""
         limit = self.size_limit if limit is None else limit
         if self.read_only:
             return 0
@@ -574,33 +607,41 @@ class DiskCache:
                        "cache folder within its size limit: %s", err)
             return 0
 
-    def _kernel_victims(self) -> list[tuple[float, str, str, int]]:
-        """Kernel folder entries eviction may remove: none a live process relies on (Note
-        [kernel pins])."""
-        live, since = pins.live_pins(self.directory / INDUCTOR_DIR)
-        keep = set(pins.PINNED_NAMES) if live else {pins.PINS_DIR}
-        return [(t, "kernels", name, s) for name, (s, t) in self._kernels.items()
-                if name not in keep and (since is None or t < since)]
-
     def _evict(self, over: int) -> int:
-        rows = self._sql("SELECT key, size, accessed FROM entries WHERE key LIKE 'program:%'")
-        victims: list[tuple[float, str, str, int]] = [(a, "program", k, s) for k, s, a in rows]
-        victims += self._kernel_victims()
-        victims.sort()
+        """Whole program entries and orphan kernels, least recently used first (Note [program
+        entries]), then statistics; never what a live process pins (Note [kernel pins])."""
         kernels = self.directory / INDUCTOR_DIR
-        n = 0
-        for _, kind, name, size in victims:
-            if over <= 0:
-                break
-            if kind == "program":
-                self._sql("DELETE FROM entries WHERE key = ?", (name,))
-            else:
-                trust.remove_tree(kernels / trust.check_name(name))
-                self._kernels.pop(name, None)
-            over -= size
-            n += 1
+        live, since = pins.live_pins(kernels)
+        keep = set(pins.PINNED_NAMES) if live else {pins.PINS_DIR}
+
+        def protected(unit: evict.Unit) -> bool:
+            return (unit.name.split("/", 1)[0] in keep
+                    or since is not None and unit.mtime >= since)
+
+        programs = self._sql("SELECT key, size, accessed FROM entries "
+                             "WHERE key LIKE 'program:%'")
+        refs: dict[str, set[str]] = {}
+        for program, key in self._sql("SELECT program, key FROM kernels"):
+            refs.setdefault(program, set()).add(key)
+        plan = evict.choose(programs, refs, self._folder.units, protected, over)
+        if plan.programs:  # the rows before their kernels: never an entry without them
+            gone = [(key,) for key in plan.programs]
+            self._transaction([("DELETE FROM entries WHERE key = ?", gone),
+                               ("DELETE FROM kernels WHERE program = ?", gone)])
+        # a program another process stored since the query above may name a kernel too
+        named = {key for (key,) in self._sql("SELECT DISTINCT key FROM kernels")}
+        for unit in plan.units:
+            if unit.key is None or unit.key not in named:
+                evict.remove(kernels, unit)
+                self._folder.units.pop(unit.name, None)
+        evict.remove_empty_dirs(kernels, self._folder, since)
+        if set(refs) - {key for key, _, _ in programs}:  # of programs gone (a cut write)
+            self._sql("DELETE FROM kernels WHERE program NOT IN (SELECT key FROM entries)")
+        n = len(plan.programs) + len(plan.units)
+        over -= plan.freed
         if over > 0:  # statistics alone over the limit: oldest first
-            for (key, size) in self._sql("SELECT key, size FROM entries ORDER BY accessed"):
+            for (key, size) in self._sql("SELECT key, size FROM entries "
+                                         "WHERE key NOT LIKE 'program:%' ORDER BY accessed"):
                 if over <= 0:
                     break
                 self._sql("DELETE FROM entries WHERE key = ?", (key,))
@@ -676,6 +717,35 @@ def entry_problem(key: Any, header: Any, payload_size: int = 0) -> str | None:
     if not key.startswith(_PROGRAM) and payload_size:
         return "only programs carry an artifact"
     return values.problem(key, header, payload_size if key.startswith(_PROGRAM) else None)
+
+
+def _refs_steps(key: str, artifact: bytes) -> list[tuple[str, tuple | list]]:
+    """The statements that record the kernels program ``key`` names (Note [program entries])."""
+    names = kernel_refs.keys_in(artifact)
+    return [("DELETE FROM kernels WHERE program = ?", (key,)),
+            ("INSERT OR IGNORE INTO kernels (program, key) VALUES (?, ?)",
+             [(key, k) for k in names])]
+
+
+def _run_steps(db: sqlite3.Connection, steps: list[tuple[str, tuple | list]],
+               transaction: bool = False) -> None:
+    if transaction:
+        db.execute("BEGIN IMMEDIATE")
+    try:
+        for query, args in steps:
+            if isinstance(args, list):
+                db.executemany(query, args)
+            else:
+                db.execute(query, args)
+        if transaction:
+            db.execute("COMMIT")
+    except BaseException:
+        if transaction:
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        raise
 
 
 def _writable(path: Path) -> bool:

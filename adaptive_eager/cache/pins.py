@@ -11,8 +11,9 @@ exclusive ``flock`` for as long as the process lives, released by the kernel whe
 
 * while any pin lives, ``PINNED_NAMES`` (precompiled headers, Inductor's lock folder, the pins)
   are never evicted;
-* the pin's JSON names ``since``: the start of the process's oldest compile in flight; no top
-  level kernel entry written at or after it is evicted.
+* the pin's JSON names ``since``: the start of the process's oldest compile in flight; no
+  kernel file written at or after it is evicted, nor a program whose own kernels are among
+  them (Note [program entries] in kernel_refs.py).
 
 The eviction (``DiskCache._evict``) reads the pins: a pin whose ``flock`` it can take belongs to
 a process that is gone, and is removed. A live pin it cannot read (being rewritten) pins
