@@ -463,7 +463,9 @@ def test_a_sync_point_is_a_safe_point(monkeypatch: pytest.MonkeyPatch, cache_dir
     assert deferred[-1] == deferred[-30] > 0  # aside inside the one context, for good
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x, x_want, rtol=1e-5, atol=1e-6)
-    assert not any(n in torch.Tensor.__dict__ for n in ("item", "tolist", "__bool__"))
+    # the sync wrappers are off again (``tolist`` is a permanent reading hook: Note [reads of
+    # pending writes])
+    assert not any(n in torch.Tensor.__dict__ for n in ("item", "__bool__", "__float__"))
 
 
 class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
