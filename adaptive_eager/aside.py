@@ -12,7 +12,7 @@ Note [root ticks], or contexts) are counted and the engine re-enters after ``pro
 them (doubled after each probe in vain, Note [probes back off]) to measure again.
 
 Note [measured trial]
-The cost estimate behind stepping aside (compiler.step_aside_reason) under-counts real models:
+The cost estimate behind stepping aside (Decisions.step_aside_reason) under-counts real models:
 recording an op inside a module's forward or autograd's backward costs several times what the
 calibration loop of tiny adds measures. So once the compile manager has settled (every hot trace
 compiled and decided), the engine runs a trial: rounds alternate between the engine and plain
@@ -151,8 +151,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from adaptive_eager import collector
-from adaptive_eager import compiler as compiler_mod
-from adaptive_eager.compiler import _median
+from adaptive_eager.compile import policy
+from adaptive_eager.compile.policy import _median
 from adaptive_eager.cores import CoreLoan
 from adaptive_eager.dispatch.lazy import LazyTensor, become_real
 from adaptive_eager.metrics import METRICS as M
@@ -743,7 +743,7 @@ class Presence:
             self.probe_rounds += 1
             compiler = self.engine.compiler
             if (self.probe_rounds >= PROBE_ROUNDS and compiler.probe_start is not None
-                    and compiler.flushes - compiler.probe_start < compiler_mod.PROBE_FLUSHES):
+                    and compiler.flushes - compiler.probe_start < policy.PROBE_FLUSHES):
                 # Note [probes back off]: rounds that record nothing end a probe too
                 self._go_aside(f"a probe of {self.probe_rounds} rounds flushed "
                                f"{compiler.flushes - compiler.probe_start} times")

@@ -1,12 +1,12 @@
 """What the engine costs per op on this machine, measured once per process (a few ms).
 
-The step-aside decision (compiler.step_aside_reason) weighs fusion gains against these costs:
-``record_s`` is the time to record one op beyond eager's own call, ``replay_extra_s`` the time
-op-by-op replay spends per op beyond eager's. Measured on a chain of tiny adds, where the kernel
+The step-aside decision (step_aside_reason in compile/policy.py) weighs fusion gains against
+these costs: ``record_s`` is the time to record one op beyond eager's own call,
+``replay_extra_s`` the time op-by-op replay spends per op beyond eager's. Measured on a chain of tiny adds, where the kernel
 time is negligible, in float64 so the calibration's traces live under their own trie root.
 A loop of two-op traces each ended by ``.item()`` measures what a flush costs whatever its
 length: ``flush_s`` (finishing, publishing, the sync) and ``replay_fixed_s`` (op-by-op replay's
-own cost per run), Note [flushes cost too] in compiler.py.
+own cost per run), Note [flushes cost too] in compile/policy.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from adaptive_eager import compiler
+from adaptive_eager.compile import policy
 from adaptive_eager.cache.memory import TRIE
 from adaptive_eager.config import Options
 from adaptive_eager.events import RUN_LOG, Timeline
@@ -74,13 +74,13 @@ def calibrate(lazy_guard: bool = True) -> None:
         torch.set_default_dtype(torch.float64)
         record, replay, eager, flushes, eager_flushes, replay_short = _measure(lazy_guard)
         op = eager / _N
-        compiler.RECORD_S = max(record - eager, 0.0) / _N
-        compiler.REPLAY_EXTRA_S = max(replay - eager, 0.0) / _N
-        compiler.EAGER_OP_S = op
+        policy.RECORD_S = max(record - eager, 0.0) / _N
+        policy.REPLAY_EXTRA_S = max(replay - eager, 0.0) / _N
+        policy.EAGER_OP_S = op
         if replay_short is not None:  # Note [flushes cost too]
-            compiler.REPLAY_FIXED_S = max(replay_short - _SHORT * (op + compiler.REPLAY_EXTRA_S),
+            policy.REPLAY_FIXED_S = max(replay_short - _SHORT * (op + policy.REPLAY_EXTRA_S),
                                           0.0)
-            compiler.FLUSH_S = max((flushes - eager_flushes) / _K - _SHORT * compiler.RECORD_S
+            policy.FLUSH_S = max((flushes - eager_flushes) / _K - _SHORT * policy.RECORD_S
                                    - replay_short, 0.0)
     except Exception:  # a measurement must never stop an engine from starting
         pass

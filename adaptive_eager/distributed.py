@@ -57,6 +57,8 @@ import sys
 import time
 from typing import Any
 
+from adaptive_eager.compile import policy  # the hot rule's MIN_OBSERVED
+
 log = logging.getLogger("adaptive_eager")
 
 # Counters of this module (metrics.py has fixed slots; the report reads these through stats()).
@@ -344,10 +346,8 @@ def ready_to_start(mgr: Any, entry: Any, trace: Any = None, live: Any = None) ->
         return False
     if not active():
         return True
-    from adaptive_eager.compiler import MIN_OBSERVED
-
     hot_after = mgr.options.hot_after
-    if entry.runs < hot_after or entry.observed < min(hot_after, MIN_OBSERVED):
+    if entry.runs < hot_after or entry.observed < min(hot_after, policy.MIN_OBSERVED):
         return False
     mine, stats = _intent(mgr, entry)
     agreed = agree(f"plan/{entry.digest}/{entry.runs}", mine, default="fused")
@@ -364,7 +364,7 @@ def ready_to_start(mgr: Any, entry: Any, trace: Any = None, live: Any = None) ->
     if mine != "fused":
         if mine.startswith("replay:quarantined"):
             diverged("this rank's cache quarantined the trace")
-        mgr._remeasure.add(entry.digest)  # our disk's op-by-op is overruled: look anyway
+        mgr.decisions.remeasure.add(entry.digest)  # our disk's op-by-op is overruled: look anyway
     if trace is not None and live is not None:
         _one_compile_per_machine(mgr, entry, trace, live)
     return True
@@ -388,7 +388,7 @@ def _intent(mgr: Any, entry: Any) -> tuple[str, dict | None]:
         stats = disk.get_stats(entry.digest)
     except Exception:
         return "fused", None
-    if stats is None or entry.digest in mgr._remeasure:
+    if stats is None or entry.digest in mgr.decisions.remeasure:
         return "fused", stats
     import torch
 

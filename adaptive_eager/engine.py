@@ -572,16 +572,17 @@ class Engine:
     def _execute(self, entry: TraceEntry, tr: Trace, live: list[int], owner: bool) -> list:
         """Run the trace: its fused program when one is ready and usable, else op by op."""
         mgr = self.compiler
+        dec = mgr.decisions  # Note [adaptive decisions] in compile/policy.py
         program = None
         if mgr.backend.compiles:
             if entry.state == "new":
-                mgr.observe(entry, tr)
+                dec.observe(entry, tr)
             program = mgr.program_for(entry, tr, live)
-            mgr.note_flush(tr.node is not None and entry.runs > 1, len(tr.ops), entry.state)
+            dec.note_flush(tr.node is not None and entry.runs > 1, len(tr.ops), entry.state)
             # stepping aside pushes and pops modes: only on the owner's own thread
-            if owner and self.presence is not None and ((mgr.flushes & 15) == 0
-                                              or len(mgr.decided) != self._decisions_seen):
-                self._decisions_seen = len(mgr.decided)
+            if owner and self.presence is not None and ((dec.flushes & 15) == 0
+                                              or len(dec.decided) != self._decisions_seen):
+                self._decisions_seen = len(dec.decided)
                 self._consider_step_aside()
         if program is not None:
             env = run_fused(mgr, entry, program, tr, self.options.crosscheck)
@@ -593,7 +594,7 @@ class Engine:
                 env = replay(tr, live, self.check, entry)
             else:  # predicted metadata is checked once per size (Note [symbolic dims])
                 env = replay_checked(tr, live, self.check, entry)
-        mgr.record_replay(entry, time.perf_counter() - start, run_size(entry, tr))
+        dec.record_replay(entry, time.perf_counter() - start, run_size(entry, tr))
         M.replayed_runs += 1
         return env
 

@@ -68,7 +68,7 @@ def _run_fused(mgr: Any, entry: TraceEntry, program: Any, tr: Trace,
             return None  # the program wrote nothing: this run goes op by op, eager's values
         log.error("adaptive_eager: %s, after the program had written its inputs in place; "
                   "this run's values may differ from eager's", unlike)
-    mgr.record_fused(entry, time.perf_counter() - start, run_size(entry, tr))
+    mgr.decisions.record_fused(entry, time.perf_counter() - start, run_size(entry, tr))
     M.compiled_runs += 1
     M.ops_fused += len(tr.ops)
     env: list[Any] = [None] * tr.n_slots

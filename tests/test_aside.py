@@ -17,6 +17,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import compiler
+from adaptive_eager.compile import policy
 from adaptive_eager.compile import programs
 from adaptive_eager.calibrate import calibrate
 from helpers import train_steps
@@ -36,8 +37,8 @@ def _train(steps: int, **options) -> tuple[list[float], list[int]]:
 def test_steps_aside_when_recording_costs_more_than_fusion_saves(
         monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
     calibrate()  # measure first, then pin: recording "costs" a second per op
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
     ref, _ = _train(30)
     losses, intercepted = _train(30, hot_after=2, compile_async=False, cache_dir=cache_dir,
                                  probe_every=10)
@@ -51,8 +52,8 @@ def test_steps_aside_when_recording_costs_more_than_fusion_saves(
 
 def test_steps_aside_when_traces_never_repeat(monkeypatch: pytest.MonkeyPatch,
                                               cache_dir: Path) -> None:
-    monkeypatch.setattr(compiler, "NO_REPEAT_FLUSHES", 40)
-    monkeypatch.setattr(compiler, "NO_REPEAT_OPS", 200)
+    monkeypatch.setattr(policy, "NO_REPEAT_FLUSHES", 40)
+    monkeypatch.setattr(policy, "NO_REPEAT_OPS", 200)
     lin = torch.nn.Linear(3, 3)
     # Symbolic dims off: learnt, one trace would serve every n (Note [symbolic dims]).
     with ae.adaptive_eager(cache_dir=cache_dir, symbolic_dims=False):
@@ -64,8 +65,8 @@ def test_steps_aside_when_traces_never_repeat(monkeypatch: pytest.MonkeyPatch,
 
 def test_replay_backend_never_steps_aside(monkeypatch: pytest.MonkeyPatch,
                                           cache_dir: Path) -> None:
-    monkeypatch.setattr(compiler, "NO_REPEAT_FLUSHES", 40)
-    monkeypatch.setattr(compiler, "NO_REPEAT_OPS", 200)
+    monkeypatch.setattr(policy, "NO_REPEAT_FLUSHES", 40)
+    monkeypatch.setattr(policy, "NO_REPEAT_OPS", 200)
     lin = torch.nn.Linear(3, 3)
     with ae.adaptive_eager(cache_dir=cache_dir, backend="replay"):
         for n in range(1, 80):
@@ -363,9 +364,9 @@ def test_aside_between_contexts_then_probes_again(monkeypatch: pytest.MonkeyPatc
     """The estimate asks to step aside; the next context end is the safe point. Aside, contexts
     reach no engine; after probe_every contexts the engine is back, measuring again."""
     calibrate()
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second per op
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
-    monkeypatch.setattr(compiler, "PROBE_FLUSHES", 5)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)  # recording "costs" a second per op
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "PROBE_FLUSHES", 5)
     options = dict(backend=graph_backend.name, hot_after=2, compile_async=False,
                    cache_dir=str(cache_dir), disk_cache=False, probe_every=10)
     # 60 calls: measuring takes 1 + 2 * MEASURE_RUNS runs (Note [paired timing]), a probe ends
@@ -445,8 +446,8 @@ def _system() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_a_sync_point_is_a_safe_point(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
     calibrate()
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second per op
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)  # recording "costs" a second per op
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
     a, b = _system()
     want: list[float] = []
     x_want = torch.zeros(16)
@@ -483,8 +484,8 @@ def test_no_step_aside_under_a_users_mode(monkeypatch: pytest.MonkeyPatch,
     """A pending step-aside waits while a user's dispatch mode sits above the engine's (leaving
     then would pop the user's mode), and happens at the first sync after it left."""
     calibrate()
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
     a, b = _system()
     want: list[float] = []
     _solve(a, b, torch.zeros(16), 60, want)
@@ -606,8 +607,8 @@ def test_a_small_decided_trace_does_not_speak_for_the_whole_program(
     it says step aside as soon as it is consulted) waits until decided traces are most of the
     ops, so the step's trace is compiled and decided first."""
     calibrate()
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
     x = torch.randn(64)
     counters = [torch.zeros(4) for _ in range(12)]
 

@@ -20,6 +20,7 @@ from torch.nn.modules import module as nn_module
 
 import adaptive_eager as ae
 from adaptive_eager import compiler
+from adaptive_eager.compile import policy
 from adaptive_eager.calibrate import calibrate
 
 
@@ -69,8 +70,8 @@ def _decode(model: torch.nn.Module, steps: int) -> list[torch.Tensor]:
 
 def _always_aside(monkeypatch: pytest.MonkeyPatch) -> None:
     calibrate()  # measure first, then pin: recording "costs" a second per op
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
 
 
 def _our_global_hooks() -> int:
@@ -208,7 +209,7 @@ def test_probes_that_find_nothing_back_off(monkeypatch: pytest.MonkeyPatch, cach
     from adaptive_eager import aside
 
     _always_aside(monkeypatch)
-    monkeypatch.setattr(compiler, "PROBE_FLUSHES", 5)
+    monkeypatch.setattr(policy, "PROBE_FLUSHES", 5)
     monkeypatch.setattr(aside, "PROBE_BACKOFF_MAX", 3)
     torch.manual_seed(0)
     model = _Model()

@@ -20,7 +20,7 @@ import torch._dynamo.testing
 from torch.nn.modules import module as nn_module
 
 import adaptive_eager as ae
-from adaptive_eager import compiler
+from adaptive_eager.compile import policy
 from adaptive_eager.aside import Presence, _AsideHook, _RootTick
 from adaptive_eager.calibrate import calibrate
 
@@ -173,8 +173,8 @@ def test_recompiles_do_not_grow_with_contexts() -> None:
 
 def _always_aside(monkeypatch: pytest.MonkeyPatch) -> None:
     calibrate()  # measure first, then pin: recording "costs" a second per op
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
 
 
 @contextlib.contextmanager

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import compiler
+from adaptive_eager.compile import policy
 from adaptive_eager.cache.memory import TRIE
 from adaptive_eager.calibrate import calibrate
-from adaptive_eager.compiler import MEASURE_RUNS
+from adaptive_eager.compile.policy import MEASURE_RUNS
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ def test_estimate_waits_for_every_trace_being_measured(monkeypatch: pytest.Monke
     measured when the first is decided; the estimate (pinned here to say "step aside") must wait
     for that decision too, or the second program is never used."""
     calibrate()  # measure first, then pin: recording "costs" a second per op
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
     torch.manual_seed(0)
     x, w, y = torch.randn(64), torch.randn(64), torch.randn(32)
     ref_a, ref_b = _step(x, w), _other(y)

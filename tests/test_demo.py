@@ -68,7 +68,7 @@ def _store_op_by_op_decision(steps: int, elements: int) -> str:
     entry.state = "measuring"
     entry.fused_s, entry.fused_n = [10.0] * 3, [0] * 3
     entry.paired_s, entry.paired_n = [5.0] * 3, [0] * 3
-    mgr._decide(entry)
+    mgr.decisions._decide(entry)
     assert entry.state == "replay"
     stats = mgr.disk.get_stats(entry.digest)
     assert stats is not None and stats["decision"].startswith("op-by-op"), stats

@@ -1,5 +1,5 @@
 """How many programs a generation loop compiles (at most 3 per run; Note [rare
-traces] in adaptive_eager/compiler.py). A KV-cache decode loop makes one symbolic trace per
+traces] in adaptive_eager/compile/policy.py). A KV-cache decode loop makes one symbolic trace per
 token, plus traces that run once per call (the prefill, the first decode step whose cache is
 the prefill's transposed view, a set-up check): only the decode trace may compile.
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import adaptive_eager as ae
-from adaptive_eager import compiler
+from adaptive_eager.compile import policy
 from conftest import assert_same
 
 TOKENS = 24  # new tokens per call: the decode trace runs 23 times per call, the others once
@@ -93,7 +93,7 @@ def test_without_the_rule_each_per_call_trace_compiles(graph_backend: object,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The same loop with the rare-trace rule off (a ratio nothing reaches): the traces that run
     once per call compile too, as before the rule (so the test above can fail)."""
-    monkeypatch.setattr(compiler, "RARE_RATIO", 10 ** 9)
+    monkeypatch.setattr(policy, "RARE_RATIO", 10 ** 9)
     ref, got, m = _run(graph_backend.name, torch.no_grad)  # type: ignore[attr-defined]
     assert all(toks == ref[0] for toks, _ in got)
     assert m["compiles"] >= 2, m  # the decode trace and at least one per-call trace

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import api, compiler
+from adaptive_eager import api
+from adaptive_eager.compile import policy
 from adaptive_eager.calibrate import calibrate
 
 
@@ -19,8 +20,8 @@ from adaptive_eager.calibrate import calibrate
 def aside_soon(monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimate asks to step aside after one decision (recording "costs" a second per op)."""
     calibrate()
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
 
 
 def _loop(steps: int, seen: list[bool] | None = None) -> list[torch.Tensor]:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import api, compiler
+from adaptive_eager import api
+from adaptive_eager.compile import policy
 from adaptive_eager.aside import Presence
 from adaptive_eager.calibrate import calibrate
 
@@ -29,9 +30,9 @@ def _small(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def aside_soon(monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimate asks to step aside after one decision (recording "costs" a second per op)."""
     calibrate()
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
-    monkeypatch.setattr(compiler, "MIN_DECISIONS", 1)
-    monkeypatch.setattr(compiler, "PROBE_FLUSHES", 5)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "MIN_DECISIONS", 1)
+    monkeypatch.setattr(policy, "PROBE_FLUSHES", 5)
 
 
 def _quiet_off(monkeypatch: pytest.MonkeyPatch) -> None:

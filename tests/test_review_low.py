@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
-from adaptive_eager import compiler
+from adaptive_eager import config
+from adaptive_eager.compile.policy import Decisions, PolicyHooks
 
 
-def _bare_manager() -> compiler.CompileManager:
-    mgr = object.__new__(compiler.CompileManager)
-    mgr.decided = []
-    mgr._remeasure = set()
-    mgr.save_stats = lambda entry, sample=False: None  # type: ignore[method-assign]
-    return mgr
+def _decisions() -> Decisions:
+    """The decisions of a compile manager, with nothing stored and no ranks to agree with."""
+    hooks = PolicyHooks(save_stats=lambda entry, sample=False: None,
+                        agree_keep=lambda entry, keep: keep, agree_aside=lambda reason: reason,
+                        distributed_job=lambda: False, recent_entries=list)
+    return Decisions(config.resolve({}), True, threading.RLock(), hooks)
 
 
 def _entry() -> SimpleNamespace:
@@ -25,13 +27,13 @@ def _entry() -> SimpleNamespace:
 def test_deciding_an_entry_twice_counts_it_once() -> None:
     # _decide and _symbolic_replay appended without the identity check _fail makes, so an
     # entry decided again (a re-measure) weighed twice in the step-aside estimate
-    mgr, entry = _bare_manager(), _entry()
-    mgr._decide(entry)  # type: ignore[arg-type]
-    mgr._decide(entry)  # type: ignore[arg-type]
-    assert len(mgr.decided) == 1 and mgr.decided[0] is entry
+    dec, entry = _decisions(), _entry()
+    dec._decide(entry)  # type: ignore[arg-type]
+    dec._decide(entry)  # type: ignore[arg-type]
+    assert len(dec.decided) == 1 and dec.decided[0] is entry
     other = _entry()
-    mgr._decide(other)  # type: ignore[arg-type]
-    assert len(mgr.decided) == 2
+    dec._decide(other)  # type: ignore[arg-type]
+    assert len(dec.decided) == 2
 
 
 def test_a_storage_method_with_nothing_pending_is_no_fallback() -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager.compile import policy
 from adaptive_eager.compiler import SYM_CHECKED_SIZES
 
 LEARN = [5, 7, 9, 11, 13, 6, 8, 10]  # enough sizes for a template, then hot
@@ -53,10 +54,8 @@ def _keys(m: dict) -> dict:
 
 
 def test_one_program_serves_every_size(monkeypatch: pytest.MonkeyPatch, cache_dir) -> None:
-    from adaptive_eager import compiler
-
     # kept fused whatever its timing on a loaded machine: this test is about which sizes run it
-    monkeypatch.setattr(compiler, "KEEP_RATIO", float("inf"))
+    monkeypatch.setattr(policy, "KEEP_RATIO", float("inf"))
     ln = _model()
     xs = _inputs(LEARN + NEW + [1])
     with torch.no_grad():

@@ -25,6 +25,7 @@ import adaptive_eager as ae
 from adaptive_eager.backends.inductor import (_GUARDS_TAG, _enc_expr, _Unknown, pack_guards,
                                               unpack_guards)
 from adaptive_eager.cache import kernel_refs
+from adaptive_eager.compile import policy
 from adaptive_eager.compiler import SYM_CHECKED_SIZES, ShapeGuards
 
 LEARN = [5, 7, 9, 11, 13, 6, 8, 10, 20, 33, 17]  # a template, hot, and 3 sizes checked
@@ -86,19 +87,15 @@ def _program_entries(folder: Path) -> list[tuple[str, dict]]:
 def _keep_fused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whether the program is kept after its timing is not what these tests check: on a loaded
     machine a measured "op by op" would route every later size past the program."""
-    from adaptive_eager import compiler
-
-    monkeypatch.setattr(compiler, "KEEP_RATIO", float("inf"))
+    monkeypatch.setattr(policy, "KEEP_RATIO", float("inf"))
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A cache folder holding the template, its one dynamic-size program and 3 checked sizes."""
     folder = tmp_path_factory.mktemp("guards") / "cache"
-    from adaptive_eager import compiler
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compiler, "KEEP_RATIO", float("inf"))  # as _keep_fused
+        mp.setattr(policy, "KEEP_RATIO", float("inf"))  # as _keep_fused
         mp.setenv("ADAPTIVE_EAGER_CACHE_DIR", str(folder))
         mp.setenv("ADAPTIVE_EAGER_COMPILE_SERVICE", "0")
         ae.disable()

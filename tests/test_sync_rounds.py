@@ -11,6 +11,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import aside, compiler
+from adaptive_eager.compile import policy
 from adaptive_eager.compile import programs
 from adaptive_eager.calibrate import calibrate
 
@@ -43,7 +44,7 @@ def test_probes_come_back_through_syncs(monkeypatch: pytest.MonkeyPatch,
     """Aside, a round-less loop used to stay aside for good (no rounds: no probe); with sync
     rounds it probes after ``probe_every`` of them and steps aside again."""
     calibrate()  # measure first, then pin: recording "costs" a second per op
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)
     ref = _eager(600)
     a, b = _solver()
     x = torch.zeros(16)
@@ -136,7 +137,7 @@ def _rounds_aside(monkeypatch: pytest.MonkeyPatch, graph_backend: object, count_
     monkeypatch.setattr(aside, "_SYNC_COUNT_ONLY", count_only)
     ae.clear_caches()  # a fresh presence: the last context's stays standing, quiet aside
     calibrate()
-    monkeypatch.setattr(compiler, "RECORD_S", 1.0)  # recording "costs" a second: aside soon
+    monkeypatch.setattr(policy, "RECORD_S", 1.0)  # recording "costs" a second: aside soon
     a, b = _solver()
     x = torch.zeros(16)
     with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, compile_async=False,

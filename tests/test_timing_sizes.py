@@ -8,8 +8,9 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import compiler
+from adaptive_eager.compile import policy
 from adaptive_eager.cache.memory import TRIE
-from adaptive_eager.compiler import MEASURE_RUNS_SYM, _at_one_size, _median
+from adaptive_eager.compile.policy import MEASURE_RUNS_SYM, _at_one_size, _median
 
 # Measured in benchmarks.varlen's training step (ms at a sequence length): a program 2-3x faster
 # than op by op at any one length, whose measured fused runs happened to come at long lengths
@@ -20,7 +21,7 @@ REPLAY = ([5.147, 4.888, 5.536, 6.679, 16.271], [21, 18, 22, 31, 60])
 
 def test_fitted_at_one_size_not_medians() -> None:
     (fs, fn), (rs, rn) = FUSED, REPLAY
-    assert _median(fs) > compiler.KEEP_RATIO * _median(rs)  # medians: "not faster"
+    assert _median(fs) > policy.KEEP_RATIO * _median(rs)  # medians: "not faster"
     fused, replay = _at_one_size(fs, fn, rs, rn)
     assert fused < 0.6 * replay, (fused, replay)
     # the other way round too: an op-by-op trace whose fused runs came at short sizes
@@ -73,13 +74,13 @@ def test_measured_runs_carry_their_sizes(graph_backend: object,
     """The sizes the decision fits are the sizes the runs came at (one symbolic trace, programs
     of eager's own kernels), and results stay eager's."""
     decided: list[tuple] = []
-    real = compiler._at_one_size
+    real = policy._at_one_size
 
     def spy(fs: list, fn: list, ps: list, pn: list) -> tuple[float, float]:
         decided.append((list(fn), list(pn)))
         return real(fs, fn, ps, pn)
 
-    monkeypatch.setattr(compiler, "_at_one_size", spy)
+    monkeypatch.setattr(policy, "_at_one_size", spy)
     ln, xs, want = _sized_inputs(1)
     ran: list[int] = []
     with ae.adaptive_eager(backend=graph_backend.name, hot_after=2, symbolic_programs=True,
