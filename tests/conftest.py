@@ -14,9 +14,12 @@ import adaptive_eager as ae
 
 @pytest.fixture(autouse=True)
 def _fresh_engine_state() -> Iterator[None]:
+    from adaptive_eager.compile import jobs
+
     ae.disable()
     ae.clear_caches()
     ae.reset_metrics()
+    jobs._service_broken = None  # a test that broke its service does not break the next one's
     yield
     ae.disable()
 

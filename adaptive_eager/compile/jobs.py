@@ -66,6 +66,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from adaptive_eager.compile.parts import Part
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.spans import span
 
@@ -382,7 +383,7 @@ class JobsOwner(Protocol):
     def _compiled(self, entry: Any) -> tuple | None: ...
 
 
-class Jobs:
+class Jobs(Part):
     """One manager's compiles and loads: which path each takes, and their futures."""
 
     def __init__(self, owner: JobsOwner, transport: Transport, lock: Any) -> None:
@@ -393,18 +394,6 @@ class Jobs:
         self.in_flight: list[concurrent.futures.Future] = []
         self._here: set[str] = set()  # digests the helper could not take: compiled here
         self.submitted: dict[str, float] = {}  # digest -> when its compile or load began
-
-    @property
-    def options(self) -> Any:
-        return self.owner.options
-
-    @property
-    def backend(self) -> Any:
-        return self.owner.backend
-
-    @property
-    def disk(self) -> Any:
-        return self.owner.disk
 
     def import_compiler(self) -> None:
         """Import what compiling and loading need, in the program's thread, before any of it

@@ -38,6 +38,7 @@ import torch
 
 from adaptive_eager.cache import remote as remote_cache  # Note [remote program store]
 from adaptive_eager.compile.jobs import WORKER, outside_modes
+from adaptive_eager.compile.parts import Part
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.spans import span
 
@@ -80,24 +81,12 @@ class ProgramsOwner(Protocol):
     jobs: Any  # compile/jobs.py: the compiler's import before a load
 
 
-class Programs:
+class Programs(Part):
     """One manager's programs on disk and on the remote store, and its traces' statistics."""
 
     def __init__(self, owner: ProgramsOwner, hooks: ProgramHooks) -> None:
         self.owner, self.hooks = owner, hooks
         self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
-
-    @property
-    def options(self) -> Any:
-        return self.owner.options
-
-    @property
-    def backend(self) -> Any:
-        return self.owner.backend
-
-    @property
-    def disk(self) -> Any:
-        return self.owner.disk
 
     def prefetch(self) -> None:
         """Load, in the worker, the programs this script used in its recent runs, so the first
