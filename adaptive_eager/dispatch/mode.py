@@ -514,7 +514,9 @@ class ReadGuardMode(TorchFunctionMode):
 
     def _item(self, t: Any) -> Any:
         """Note [item under the armed guard]
-        While the guard is armed (an optimizer's update is pending on its parameters), the
+        While the guard is armed (with ``lazy_guard=False``, or in a transform; pending
+        writes no longer arm it: Note [reads of pending writes]) and an optimizer's update is
+        pending on its parameters, the
         optimizer reads its real CPU step counters with ``.item()`` (AdamW foreach: two per
         parameter per step, 56 in GPT-2's). Each went from here to the dispatch mode, which
         ran it at once (``Engine.run_sync``: the pending trace does not touch the counter) after
