@@ -131,6 +131,32 @@ points, and moving their step-aside within a round would shift their round count
 inside the engine's handlers cost about a microsecond each for that short while. Never over
 another profiler or tracer's hook (``sys.getprofile()`` set, torch's profiler on): those
 programs keep the other safe points.
+
+Note [learning budget]
+Until a program pays, everything the engine does costs the user time: a round recorded and
+replayed op by op costs 3-15x eager's round (metadata of new ops, cold replays), the round that
+sends a trace to the compiler 100-250 ms (the graph, the service), and a compile beside the
+program slows its rounds (a core lent to it). A run of a few seconds, over before any program
+lands, paid all of that for nothing: 1.15-1.56x eager's whole time on the graph-break programs
+(200 steps, 2 threads, quiet), and nobody tells the engine how long a run will be. So each
+presence keeps an account, in time: since it started, and what it spent beyond eager's - every
+round that ran (partly) in the engine or beside a compile, less eager's round (the median of its
+last BUDGET_PLAIN clean plain rounds). It may spend ``budget`` percent of the time so far. It
+starts aside, in plain eager, timing its rounds; it comes in for a round once the allowance
+covers what its rounds in the engine cost on average (BUDGET_GUESS eager rounds before it has
+measured one), and goes back aside at a round end where the account is over the allowance
+(never during a trial, which alternates on its own and is bounded, and never once a trial found
+for the engine: fused rounds that win pay into the account). A compile in flight gets a core lent
+whether the engine waits for it or is aside on the budget (an OpenMP team of all cores beside a
+compile, even one at the lowest priority, ran 4x slower: Note [compile cores]); a program that
+lands while it is aside brings it back at once. The run stays within about ``budget`` of eager's time plus one round's cost, at any
+length: a short run never pays for a compile it cannot use (it may still send one, which the
+compile service finishes for the next run), a long run reaches its programs later (a round that
+costs 4 eager rounds is recorded about every 80 rounds at first). Where earlier runs of the
+script stored programs (the warm-start prefetch found some), and in a distributed job (ranks
+would record different rounds, Note [ranks agree]), it starts in the engine without an account.
+A program that never ends a round (no module call, optimizer step or second context) stays in
+plain eager under a budget; ``budget=0`` records from the first op as before.
 """
 
 from __future__ import annotations
@@ -168,6 +194,15 @@ MAX_ROOTS = 4  # outermost modules remembered for ticks while the engine is off 
 PROBE_ROUNDS = 200  # a probe that flushed less than PROBE_FLUSHES times ends here too
 SYNC_ROUND = 16  # syncs a round of a program whose rounds are syncs (Note [syncs are rounds])
 SYNC_ROUNDS_AFTER = 64  # flushes with no round of another kind before syncs become rounds
+BUDGET_GUESS = 4.0  # a round in the engine, in eager rounds, before one was measured
+BUDGET_PLAIN = 15  # clean plain rounds whose median is eager's round (Note [learning budget])
+
+
+def _distributed() -> Any:
+    """The distributed module (it imports this one's layer: Note [ranks agree])."""
+    from adaptive_eager import distributed
+
+    return distributed
 _DYNAMO_FILE = "<adaptive_eager.aside: engine hook>"  # off Dynamo's skip list
 
 
@@ -220,9 +255,7 @@ def trial_verdict(ratio: float) -> str:
 
     Decisions are per process (per thread, really: each thread times its own rounds); in a
     distributed job every rank takes the first rank's verdict (Note [ranks agree])."""
-    from adaptive_eager import distributed  # Note [ranks agree]: the first rank's verdict
-
-    stay = distributed.agree_trial(ratio < TRIAL_MARGIN)
+    stay = _distributed().agree_trial(ratio < TRIAL_MARGIN)
     return "engine" if stay else "eager"
 
 
@@ -462,9 +495,28 @@ class Presence:
         # Note [quiet contexts]: the next context may only count; probe due at this round
         self.quiet = False
         self.quiet_until = 0
+        # Note [learning budget]
+        opts = engine.options
+        self.budget = opts.budget / 100.0 if opts.step_aside else 0.0
+        self.started = time.perf_counter()
+        self._round_start: float | None = None  # the last round end
+        self._round_on = False  # the engine was on during the round now running
+        self._plain: list[float] = []  # recent clean plain rounds
+        self._costly_s = 0.0  # rounds in the engine or beside a compile: time, count
+        self._costly_n = 0
+        self._landing = False  # aside on the budget with a compile in flight (a core lent)
+        self._base: float | None = None  # eager's round: the median of ``_plain``
+        self._plain_new = 0  # plain rounds since that median
+        self._due = 0.0  # aside on the budget: the account is not looked at before this time
+        self.saving = bool(self.budget) and not engine.compiler.programs.warm \
+            and not _distributed().active()  # aside to stay within the budget
+        if not self.saving:
+            self.budget = 0.0
+        policy.hold_compiles(self.saving)  # this thread's (a presence is made on its thread)
 
     def activate(self) -> None:
         self.quiet = False
+        self._round_on = True
         if not self.active:
             for m in self.modes:
                 m.__enter__()
@@ -491,7 +543,7 @@ class Presence:
     # ---- contexts (Note [contexts are rounds]) --------------------------------------------------
     def wants_modes(self) -> bool:
         """Whether entering a context should push the modes (not while aside or timing eager)."""
-        return not (self.aside or self.waiting or self.trial == "eager")
+        return not (self.aside or self.waiting or self.saving or self.trial == "eager")
 
     def enter(self) -> None:
         """The outermost context is entered (again): a safe point in plain Python."""
@@ -509,10 +561,10 @@ class Presence:
         self.calls_in_context = 0
         if ticks == "sync" and opts.step_aside:
             _wrap_sync_methods(self, True)  # off between contexts (leave)
-        if not (self.aside or self.waiting or self.trial == "eager"):  # wants_modes()
+        if not (self.aside or self.waiting or self.saving or self.trial == "eager"):
             self.activate()  # also installs the step hook and, where they are rounds, tick hooks
         else:
-            if self.waiting and opts.lend_core:
+            if (self.waiting or self._landing) and opts.lend_core:
                 self.loan.lend()  # Note [compile cores]: again, inside the context only
             if self._step_hook is None and (opts.step_flush or opts.step_aside):
                 self._step_hook = _StepHook.add(self)  # counts optimizer steps while aside
@@ -703,6 +755,8 @@ class Presence:
     def _round_ended(self) -> None:
         """At a tick, in plain Python on the engine's thread (Note [measured trial])."""
         self.quiet = False
+        if self.budget and self._spend():
+            return
         if self.trial is not None:
             self._time_round()
         elif self.waiting:
@@ -750,6 +804,82 @@ class Presence:
         else:
             self.safe_point()
 
+    # ---- the learning budget (Note [learning budget]) -----------------------------------------
+    def _spend(self) -> bool:
+        """At a round end: account the round that ended; True if the budget took this round end
+        (aside on it, or coming back from it)."""
+        now = time.perf_counter()
+        start, self._round_start = self._round_start, now
+        costly = self._round_on or self.active or self.waiting or M.compiles_pending > 0
+        self._round_on = self.active
+        if start is not None:
+            if costly:
+                self._costly_s += now - start
+                self._costly_n += 1
+            else:
+                plain = self._plain
+                plain.append(now - start)
+                if len(plain) > BUDGET_PLAIN:
+                    del plain[0]
+                    self._plain_new += 1
+                    if self._plain_new < BUDGET_PLAIN:  # a median of the last ones, renewed
+                        plain = None  # when they all are new (a sort a round costs ~1 us)
+                if plain is not None:
+                    self._plain_new = 0
+                    self._base = _median(plain)
+        if self.trial is not None or self.aside or self.probing or self.verdict == "engine":
+            return False
+        if self.saving:
+            M.budget_rounds += 1
+            # the common round aside: nothing to pay for yet
+            if not self._landing and now < self._due:
+                return True
+        base = self._base
+        if base is None:
+            return self.saving  # no eager round measured yet: nothing to weigh against
+        if _distributed().active():  # Note [ranks agree]: no account in a distributed job
+            self.budget = 0.0
+            policy.hold_compiles(False)
+            if self.saving:
+                self._come_back("a distributed job")
+            return False
+        spent = self._costly_s - self._costly_n * base
+        allowance = self.budget * (now - self.started)
+        policy.hold_compiles(spent + policy.compile_cost() > allowance)
+        if self.saving:
+            if self._landing and (not M.compiles_pending or (M.budget_rounds & 15) == 0) \
+                    and not self.engine.compiler.compiling():
+                self._come_back("a program landed")
+                return True
+            n = self._costly_n
+            cost = max(self._costly_s / n - base, 0.0) if n else BUDGET_GUESS * base
+            if spent + cost <= allowance:
+                self._come_back(f"{spent * 1e3:.1f} ms spent of {allowance * 1e3:.1f} allowed")
+            else:  # the time at which the allowance covers it, if eager's round holds
+                self._due = self.started + (spent + cost) / self.budget
+            return True
+        if spent > allowance and self.active and self.pending is None and not self.waiting:
+            self.engine.flush("budget")
+            self.deactivate()
+            self.saving = True
+            # Note [compile cores]: a compile in flight stalls a full OpenMP team even at the
+            # lowest priority (2.6 s of eager's became 11 s): the core is lent while aside too
+            self._landing = M.compiles_pending > 0
+            if self._landing and self.engine.options.lend_core:
+                self.loan.lend()
+            M.budget_asides += 1
+            log.info("adaptive_eager: plain eager within the learning budget (%.1f ms spent "
+                     "beyond eager's, %.1f ms allowed)", spent * 1e3, allowance * 1e3)
+            return True
+        return False
+
+    def _come_back(self, why: str) -> None:
+        self.saving = False
+        self._landing = False
+        self.loan.give_back()
+        self.activate()
+        log.info("adaptive_eager: in the engine again (learning budget: %s)", why)
+
     # ---- the measured trial (Note [measured trial]) -------------------------------------------
     def start_trial(self) -> None:
         """Called after a flush once the compile manager has settled."""
@@ -761,9 +891,7 @@ class Presence:
         if (self.trial is not None or self.verdict is not None or self.aside
                 or self.pending is not None or not self.active):
             return
-        from adaptive_eager import distributed
-
-        if distributed.active():
+        if _distributed().active():
             # Note [ranks agree]: ranks settle at different steps (each times its own runs),
             # so a trial would run fused rounds on one replica while another runs eager ones
             # (bitwise different arithmetic: DDP replicas diverged in 1 of 5 runs). A job

@@ -24,7 +24,7 @@ from adaptive_eager.compile.jobs import _LOAD_HERE, COMPILE_HERE, WORKER, Jobs, 
 from adaptive_eager.compile.jobs import _compile_guard, _Worker  # noqa: F401 (their old home)
 from adaptive_eager.compile.policy import (MEASURE_RUNS, MEASURE_RUNS_SYM,  # noqa: F401 (old home)
                                            MIN_OBSERVED, _at_one_size, _median)
-from adaptive_eager.compile.policy import MIN_OPS, Decisions, PolicyHooks, _combine
+from adaptive_eager.compile.policy import MIN_OPS, Decisions, PolicyHooks, _combine, compiles_held
 from adaptive_eager.compile.programs import TRANSIENT_RETRIES  # noqa: F401 (old home)
 from adaptive_eager.compile.programs import ProgramHooks, Programs
 from adaptive_eager.compile.sizes import SizeHooks, Sizes
@@ -237,6 +237,9 @@ class CompileManager:
             if self._from_disk(entry, trace, live):
                 return None
         if self.decisions.is_hot(entry) and entry.state == "new":
+            if compiles_held():  # Note [learning budget] in aside.py: not affordable yet
+                M.compiles_held += 1
+                return None
             return self._submit(entry, trace, live)
         return None
 

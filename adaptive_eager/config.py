@@ -135,6 +135,11 @@ SETTINGS: tuple[Setting, ...] = (
             "While waiting aside for a compile, run one torch thread fewer than the cores, so "
             "the compile does not stall the program's OpenMP team (Note [compile cores]); "
             "reductions may then round as with fewer threads. Off: the program's own count."),
+    Setting("budget", "ADAPTIVE_EAGER_BUDGET", _int_in(0, 100), 5,
+            "Percent of the run's time the engine may spend learning (recording op by op, "
+            "sending traces, compiling beside the program) beyond plain eager's, counted from "
+            "the start (Note [learning budget] in aside.py); until then it runs plain eager. "
+            "0: no limit, record from the first op."),
     Setting("step_flush", "ADAPTIVE_EAGER_STEP_FLUSH", _parse_bool, True,
             "End the trace after every optimizer step, so each training iteration is one "
             "trace that repeats (like torch_xla's mark_step)."),
@@ -213,6 +218,7 @@ class Options:
     compile_process: bool = True
     step_aside: bool = True
     lend_core: bool = True  # Note [compile cores]
+    budget: int = 5  # Note [learning budget]
     step_flush: bool = True
     probe_every: int = 2000
     workers: bool = False

@@ -13,7 +13,7 @@ class Metrics:
         "fallback_ops", "engine_error_kinds", "compiles", "compiles_pending", "compile_seconds",
         "compile_errors", "compiled_runs", "replayed_runs", "ops_fused", "disk_hits", "disk_misses",
         "disk_errors", "disk_invalid", "quarantined", "fused_errors", "kept_fused", "kept_replay",
-        "step_asides",
+        "step_asides", "budget_asides", "budget_rounds", "compiles_held",
         "trials", "trials_running", "guard_arms", "guard_disarms", "compile_waits", "layout_fixes", "helper_errors",
         "alias_fixes",
         "service_errors", "service_compiles", "service_shared", "compile_queued_seconds",
@@ -55,6 +55,9 @@ class Metrics:
         self.kept_fused = 0  # decisions: fused measured faster than replay
         self.kept_replay = 0  # decisions: fused not faster, trace stays op by op
         self.step_asides = 0  # times the engine left the mode stack because nothing gained
+        self.budget_asides = 0  # times the engine ran plain to stay in its learning budget
+        self.budget_rounds = 0  # ... rounds it ran so (Note [learning budget], aside.py)
+        self.compiles_held = 0  # hot runs whose compile the learning budget held back
         self.trials = 0  # measured trials: rounds timed under the engine, then in plain eager
         self.trials_running = 0  # 1 while a trial is timing rounds (benchmarks wait for it)
         self.guard_arms = 0  # the read guard went on the mode stack (Note [read guard], mode.py)

@@ -39,6 +39,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks import USER_BUDGET
+
+# Whole runs as a user has them: the learning budget as the caller's environment set it, in the
+# driver and in its children (benchmarks/__init__.py turns it off for the other benchmarks).
+if USER_BUDGET is None:
+    os.environ.pop("ADAPTIVE_EAGER_BUDGET", None)
+else:
+    os.environ["ADAPTIVE_EAGER_BUDGET"] = USER_BUDGET
+
 T_SCRIPT = time.perf_counter()  # before torch is imported (the child's import time)
 
 MODES = ("eager", "engine", "torch_compile", "engine_warm", "torch_compile_warm")

@@ -66,6 +66,10 @@ def _stop_compile_services(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
     ``COMPILE_SERVICE = True`` compile through the service; the others were written for the
     per-process compile helper (its faults, its exit) and keep it."""
     monkeypatch.setenv("ADAPTIVE_EAGER_SERVICE_IDLE_S", "10")
+    if not getattr(request.module, "LEARNING_BUDGET", False):
+        # Note [learning budget]: the tests count what the engine does from the first op on;
+        # the modules that say ``LEARNING_BUDGET = True`` test the default budget
+        monkeypatch.setenv("ADAPTIVE_EAGER_BUDGET", "0")
     if not getattr(request.module, "COMPILE_SERVICE", False):
         monkeypatch.setenv("ADAPTIVE_EAGER_COMPILE_SERVICE", "0")
     yield

@@ -21,7 +21,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTIVE_EAGER")}
-    env.update({"ADAPTIVE_EAGER_CACHE_DIR": str(cache_dir), "ADAPTIVE_EAGER_BACKEND": "replay"})
+    env.update({"ADAPTIVE_EAGER_CACHE_DIR": str(cache_dir), "ADAPTIVE_EAGER_BACKEND": "replay",
+                "ADAPTIVE_EAGER_BUDGET": "0"})  # records from the first op (conftest.py)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env

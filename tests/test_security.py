@@ -89,6 +89,7 @@ def as_other_user(owner: tuple[int, int], args: list[str], **kw: Any) -> subproc
            sys.executable, *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTIVE_EAGER")}
     env["HOME"] = "/nonexistent"
+    env["ADAPTIVE_EAGER_BUDGET"] = "0"  # records from the first op (conftest.py)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, **kw)
 
 
@@ -137,6 +138,7 @@ def fresh_process() -> None:
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ADAPTIVE_EAGER") and k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["ADAPTIVE_EAGER_BUDGET"] = "0"  # records from the first op (conftest.py)
     env.update(extra)
     return env
 

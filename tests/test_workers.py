@@ -65,7 +65,7 @@ def test_flagged_script_workers_start_no_engine(tmp_path: Path, cache_dir: Path)
     """))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTIVE_EAGER")}
     env.update(ADAPTIVE_EAGER="1", ADAPTIVE_EAGER_CACHE_DIR=str(cache_dir),
-               ADAPTIVE_EAGER_BACKEND="replay")
+               ADAPTIVE_EAGER_BACKEND="replay", ADAPTIVE_EAGER_BUDGET="0")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from adaptive_eager.cores import usable_cores
 from adaptive_eager.metrics import METRICS as M
 
 log = logging.getLogger("adaptive_eager")
@@ -62,6 +64,33 @@ KEEP_RATIO = 0.9  # fused (plus nothing else) must take at most this share of re
 MEASURING_STALE_FLUSHES = 200  # a measuring trace idle this long no longer holds decisions
 RECHECK_RATIO = 0.5  # a stored "op-by-op" whose fused time is under this share of our replay
 _HISTORY = 8  # timing samples kept per trace and kind
+COMPILE_GUESS_S = 10.0  # a cold compile's seconds before one was timed here (Note [learning budget])
+
+
+_held = threading.local()  # Note [learning budget] in aside.py: this thread's hold on compiles
+
+
+def compiles_held() -> bool:
+    """Whether this thread's learning budget holds new compiles back (disk loads go on)."""
+    return getattr(_held, "on", False)
+
+
+def hold_compiles(on: bool) -> None:
+    _held.on = on
+
+
+def compile_cost() -> float:
+    """What a compile beside the program is expected to cost it, in seconds of its time: the
+    compile's own seconds (measured here, else COMPILE_GUESS_S) times the share of the cores it
+    takes from the program."""
+    global _cores
+    if not _cores:
+        _cores = max(usable_cores(), 1)  # a system call: once
+    secs = M.compile_seconds / M.compiles if M.compiles else COMPILE_GUESS_S
+    return secs / _cores
+
+
+_cores = 0
 
 
 def _run_time(entry: Any) -> float:

@@ -87,6 +87,7 @@ class Programs(Part):
     def __init__(self, owner: ProgramsOwner, hooks: ProgramHooks) -> None:
         self.owner, self.hooks = owner, hooks
         self._prefetched: dict[str, concurrent.futures.Future] = {}  # program key -> load
+        self.warm = False  # earlier runs of this script stored programs (Note [learning budget])
 
     def prefetch(self) -> None:
         """Load, in the worker, the programs this script used in its recent runs, so the first
@@ -99,6 +100,7 @@ class Programs(Part):
             return
         if not keys:
             return
+        self.warm = True
         self.owner.jobs.import_compiler()  # in the program's thread, before the worker loads
         for key in keys:
             self._prefetched[key] = WORKER.submit(self._prefetch_one, key)
