@@ -140,8 +140,13 @@ program slows its rounds (a core lent to it). A run of a few seconds, over befor
 lands, paid all of that for nothing: 1.15-1.56x eager's whole time on the graph-break programs
 (200 steps, 2 threads, quiet), and nobody tells the engine how long a run will be. So each
 presence keeps an account, in time: since it started, and what it spent beyond eager's - every
-round that ran (partly) in the engine or beside a compile, less eager's round (the median of its
-last BUDGET_PLAIN clean plain rounds). It may spend ``budget`` percent of the time so far. It
+round that ran (partly) in the engine or beside a compile, less eager's round (the lower quartile
+of its last BUDGET_PLAIN clean plain rounds, once there are BUDGET_PLAIN_MIN: the first rounds
+of a program are its slowest, and a median of two of them once read 9.6 ms for a 5 ms round, so
+the engine stayed in at twice eager's time on an account that looked even). It may spend
+``budget`` percent of the time since its first round ended (not since the engine started: the
+program's imports and set-up are no rounds of it), eager's round measured anew when the rounds
+change kind (the module calls before a first optimizer step are rounds of another length). It
 starts aside, in plain eager, timing its rounds; it comes in for a round once the allowance
 covers what its rounds in the engine cost on average (BUDGET_GUESS eager rounds before it has
 measured one), and goes back aside at a round end where the account is over the allowance
@@ -195,7 +200,8 @@ PROBE_ROUNDS = 200  # a probe that flushed less than PROBE_FLUSHES times ends he
 SYNC_ROUND = 16  # syncs a round of a program whose rounds are syncs (Note [syncs are rounds])
 SYNC_ROUNDS_AFTER = 64  # flushes with no round of another kind before syncs become rounds
 BUDGET_GUESS = 4.0  # a round in the engine, in eager rounds, before one was measured
-BUDGET_PLAIN = 15  # clean plain rounds whose median is eager's round (Note [learning budget])
+BUDGET_PLAIN = 15  # recent clean plain rounds: eager's round is their lower quartile
+BUDGET_PLAIN_MIN = 5  # ... once there are this many (Note [learning budget])
 
 
 def _distributed() -> Any:
@@ -498,16 +504,18 @@ class Presence:
         # Note [learning budget]
         opts = engine.options
         self.budget = opts.budget / 100.0 if opts.step_aside else 0.0
-        self.started = time.perf_counter()
+        self.started = 0.0  # the first round's end
         self._round_start: float | None = None  # the last round end
         self._round_on = False  # the engine was on during the round now running
         self._plain: list[float] = []  # recent clean plain rounds
         self._costly_s = 0.0  # rounds in the engine or beside a compile: time, count
         self._costly_n = 0
         self._landing = False  # aside on the budget with a compile in flight (a core lent)
-        self._base: float | None = None  # eager's round: the median of ``_plain``
+        self._base: float | None = None  # eager's round: the lower quartile of ``_plain``
         self._plain_new = 0  # plain rounds since that median
         self._due = 0.0  # aside on the budget: the account is not looked at before this time
+        self._kind: str | None = None  # the kind of rounds the account measures
+        self._spent0 = 0.0  # spent in rounds of earlier kinds
         self.saving = bool(self.budget) and not engine.compiler.programs.warm \
             and not _distributed().active()  # aside to stay within the budget
         if not self.saving:
@@ -810,6 +818,12 @@ class Presence:
         (aside on it, or coming back from it)."""
         now = time.perf_counter()
         start, self._round_start = self._round_start, now
+        if start is None:
+            self.started = now  # the account counts from the first round's end
+        if self.ticks_from != self._kind:  # rounds of another kind: eager's round anew
+            self._kind = self.ticks_from
+            self._new_kind()
+            start = None
         costly = self._round_on or self.active or self.waiting or M.compiles_pending > 0
         self._round_on = self.active
         if start is not None:
@@ -824,9 +838,9 @@ class Presence:
                     self._plain_new += 1
                     if self._plain_new < BUDGET_PLAIN:  # a median of the last ones, renewed
                         plain = None  # when they all are new (a sort a round costs ~1 us)
-                if plain is not None:
+                if plain is not None and len(plain) >= BUDGET_PLAIN_MIN:
                     self._plain_new = 0
-                    self._base = _median(plain)
+                    self._base = sorted(plain)[len(plain) // 4]
         if self.trial is not None or self.aside or self.probing or self.verdict == "engine":
             return False
         if self.saving:
@@ -843,7 +857,7 @@ class Presence:
             if self.saving:
                 self._come_back("a distributed job")
             return False
-        spent = self._costly_s - self._costly_n * base
+        spent = self._spent0 + self._costly_s - self._costly_n * base
         allowance = self.budget * (now - self.started)
         policy.hold_compiles(spent + policy.compile_cost() > allowance)
         if self.saving:
@@ -872,6 +886,15 @@ class Presence:
                      "beyond eager's, %.1f ms allowed)", spent * 1e3, allowance * 1e3)
             return True
         return False
+
+    def _new_kind(self) -> None:
+        """The rounds change kind (module calls, then optimizer steps): what was spent is priced
+        at the old kind's eager round, and eager's round is measured again."""
+        if self._base is not None:
+            self._spent0 += self._costly_s - self._costly_n * self._base
+            self._costly_s, self._costly_n = 0.0, 0
+        self._plain.clear()
+        self._base, self._plain_new = None, 0
 
     def _come_back(self, why: str) -> None:
         self.saving = False
