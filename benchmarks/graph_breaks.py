@@ -341,6 +341,25 @@ def build_tiny() -> Built:
     return Built(step, batches, lambda: float(w.detach().double().sum().item()))
 
 
+def build_chain() -> Built:
+    g = _seed()
+    n = 1 << 18
+    w = nn.Parameter(torch.randn(n, generator=g) * 0.1)
+    opt = torch.optim.SGD([w], lr=1e-2)
+    batches = [(torch.randn(n, generator=g),) for _ in range(2)]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        y = torch.sin(x * w) * 0.5 + torch.cos(x - w) * 0.25
+        y = torch.tanh(y) * torch.sigmoid(y + 1.0) - 0.1 * y
+        loss = (y * y).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Built(step, batches, params_checksum(nn.ParameterList([w])))
+
+
 PROGRAMS: dict[str, Program] = {p.name: p for p in (
     Program("moe", "top-2 MoE, 8 experts (topk + nonzero per expert), 256 tokens of width 64, "
             "AdamW", build_moe),
@@ -358,6 +377,9 @@ PROGRAMS: dict[str, Program] = {p.name: p for p in (
             "(8-32 steps), Adam", build_gru),
     Program("masked_lm", "1-layer transformer, cross-entropy over the masked positions only "
             "(boolean index, about 15% of 16x32), AdamW", build_masked_lm),
+    Program("chain", "elementwise chain of 12 ops on 256K elements, forward + backward, SGD: "
+            "a step fusion speeds up (for long runs: how soon the engine gets there)",
+            build_chain, listed=False),
     Program("tiny", "8-element parameter, .item() branch, hand-written SGD (test program)",
             build_tiny, listed=False),
 )}
