@@ -131,37 +131,6 @@ points, and moving their step-aside within a round would shift their round count
 inside the engine's handlers cost about a microsecond each for that short while. Never over
 another profiler or tracer's hook (``sys.getprofile()`` set, torch's profiler on): those
 programs keep the other safe points.
-
-Note [learning budget]
-Until a program pays, everything the engine does costs the user time: a round recorded and
-replayed op by op costs 3-15x eager's round (metadata of new ops, cold replays), the round that
-sends a trace to the compiler 100-250 ms (the graph, the service), and a compile beside the
-program slows its rounds (a core lent to it). A run of a few seconds, over before any program
-lands, paid all of that for nothing: 1.15-1.56x eager's whole time on the graph-break programs
-(200 steps, 2 threads, quiet), and nobody tells the engine how long a run will be. So each
-presence keeps an account, in time: since it started, and what it spent beyond eager's - every
-round that ran (partly) in the engine or beside a compile, less eager's round (the lower quartile
-of its last BUDGET_PLAIN clean plain rounds, once there are BUDGET_PLAIN_MIN: the first rounds
-of a program are its slowest, and a median of two of them once read 9.6 ms for a 5 ms round, so
-the engine stayed in at twice eager's time on an account that looked even). It may spend
-``budget`` percent of the time since its first round ended (not since the engine started: the
-program's imports and set-up are no rounds of it), eager's round measured anew when the rounds
-change kind (the module calls before a first optimizer step are rounds of another length). It
-starts aside, in plain eager, timing its rounds; it comes in for a round once the allowance
-covers what its rounds in the engine cost on average (BUDGET_GUESS eager rounds before it has
-measured one), and goes back aside at a round end where the account is over the allowance
-(never during a trial, which alternates on its own and is bounded, and never once a trial found
-for the engine: fused rounds that win pay into the account). A compile in flight gets a core lent
-whether the engine waits for it or is aside on the budget (an OpenMP team of all cores beside a
-compile, even one at the lowest priority, ran 4x slower: Note [compile cores]); a program that
-lands while it is aside brings it back at once. The run stays within about ``budget`` of eager's time plus one round's cost, at any
-length: a short run never pays for a compile it cannot use (it may still send one, which the
-compile service finishes for the next run), a long run reaches its programs later (a round that
-costs 4 eager rounds is recorded about every 80 rounds at first). Where earlier runs of the
-script stored programs (the warm-start prefetch found some), and in a distributed job (ranks
-would record different rounds, Note [ranks agree]), it starts in the engine without an account.
-A program that never ends a round (no module call, optimizer step or second context) stays in
-plain eager under a budget; ``budget=0`` records from the first op as before.
 """
 
 from __future__ import annotations
@@ -182,6 +151,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from adaptive_eager import collector
+from adaptive_eager.budget import Account
 from adaptive_eager.compile import policy
 from adaptive_eager.compile.policy import _median
 from adaptive_eager.cores import CoreLoan
@@ -199,9 +169,6 @@ MAX_ROOTS = 4  # outermost modules remembered for ticks while the engine is off 
 PROBE_ROUNDS = 200  # a probe that flushed less than PROBE_FLUSHES times ends here too
 SYNC_ROUND = 16  # syncs a round of a program whose rounds are syncs (Note [syncs are rounds])
 SYNC_ROUNDS_AFTER = 64  # flushes with no round of another kind before syncs become rounds
-BUDGET_GUESS = 4.0  # a round in the engine, in eager rounds, before one was measured
-BUDGET_PLAIN = 15  # recent clean plain rounds: eager's round is their lower quartile
-BUDGET_PLAIN_MIN = 5  # ... once there are this many (Note [learning budget])
 
 
 def _distributed() -> Any:
@@ -501,25 +468,15 @@ class Presence:
         # Note [quiet contexts]: the next context may only count; probe due at this round
         self.quiet = False
         self.quiet_until = 0
-        # Note [learning budget]
+        # Note [learning budget] in budget.py
         opts = engine.options
-        self.budget = opts.budget / 100.0 if opts.step_aside else 0.0
-        self.started = 0.0  # the first round's end
-        self._round_start: float | None = None  # the last round end
+        self.account = Account(opts.budget / 100.0 if opts.step_aside else 0.0)
         self._round_on = False  # the engine was on during the round now running
-        self._plain: list[float] = []  # recent clean plain rounds
-        self._costly_s = 0.0  # rounds in the engine or beside a compile: time, count
-        self._costly_n = 0
         self._landing = False  # aside on the budget with a compile in flight (a core lent)
-        self._base: float | None = None  # eager's round: the lower quartile of ``_plain``
-        self._plain_new = 0  # plain rounds since that median
-        self._due = 0.0  # aside on the budget: the account is not looked at before this time
-        self._kind: str | None = None  # the kind of rounds the account measures
-        self._spent0 = 0.0  # spent in rounds of earlier kinds
-        self.saving = bool(self.budget) and not engine.compiler.programs.warm \
+        self.saving = bool(self.account.share) and not engine.compiler.programs.warm \
             and not _distributed().active()  # aside to stay within the budget
         if not self.saving:
-            self.budget = 0.0
+            self.account.share = 0.0
         policy.hold_compiles(self.saving)  # this thread's (a presence is made on its thread)
 
     def activate(self) -> None:
@@ -763,7 +720,7 @@ class Presence:
     def _round_ended(self) -> None:
         """At a tick, in plain Python on the engine's thread (Note [measured trial])."""
         self.quiet = False
-        if self.budget and self._spend():
+        if self.account.share and self._spend():
             return
         if self.trial is not None:
             self._time_round()
@@ -812,65 +769,37 @@ class Presence:
         else:
             self.safe_point()
 
-    # ---- the learning budget (Note [learning budget]) -----------------------------------------
+    # ---- the learning budget (Note [learning budget] in budget.py) ---------------------------
     def _spend(self) -> bool:
-        """At a round end: account the round that ended; True if the budget took this round end
-        (aside on it, or coming back from it)."""
+        """At a round end: account the round that ended (Note [learning budget] in budget.py);
+        True if the budget took this round end (aside on it, or coming back from it)."""
         now = time.perf_counter()
-        start, self._round_start = self._round_start, now
-        if start is None:
-            self.started = now  # the account counts from the first round's end
-        if self.ticks_from != self._kind:  # rounds of another kind: eager's round anew
-            self._kind = self.ticks_from
-            self._new_kind()
-            start = None
-        costly = self._round_on or self.active or self.waiting or M.compiles_pending > 0
+        acc = self.account
+        acc.round_ended(now, self.ticks_from,
+                        self._round_on or self.active or self.waiting or M.compiles_pending > 0)
         self._round_on = self.active
-        if start is not None:
-            if costly:
-                self._costly_s += now - start
-                self._costly_n += 1
-            else:
-                plain = self._plain
-                plain.append(now - start)
-                if len(plain) > BUDGET_PLAIN:
-                    del plain[0]
-                    self._plain_new += 1
-                    if self._plain_new < BUDGET_PLAIN:  # a median of the last ones, renewed
-                        plain = None  # when they all are new (a sort a round costs ~1 us)
-                if plain is not None and len(plain) >= BUDGET_PLAIN_MIN:
-                    self._plain_new = 0
-                    self._base = sorted(plain)[len(plain) // 4]
         if self.trial is not None or self.aside or self.probing or self.verdict == "engine":
             return False
         if self.saving:
             M.budget_rounds += 1
-            # the common round aside: nothing to pay for yet
-            if not self._landing and now < self._due:
-                return True
-        base = self._base
-        if base is None:
+            if not self._landing and now < acc.due:
+                return True  # the common round aside: nothing to pay for yet
+        if acc.base is None:
             return self.saving  # no eager round measured yet: nothing to weigh against
         if _distributed().active():  # Note [ranks agree]: no account in a distributed job
-            self.budget = 0.0
+            acc.share = 0.0
             policy.hold_compiles(False)
             if self.saving:
                 self._come_back("a distributed job")
             return False
-        spent = self._spent0 + self._costly_s - self._costly_n * base
-        allowance = self.budget * (now - self.started)
+        spent, allowance = acc.spent(), acc.allowance(now)
         policy.hold_compiles(spent + policy.compile_cost() > allowance)
         if self.saving:
             if self._landing and (not M.compiles_pending or (M.budget_rounds & 15) == 0) \
                     and not self.engine.compiler.compiling():
                 self._come_back("a program landed")
-                return True
-            n = self._costly_n
-            cost = max(self._costly_s / n - base, 0.0) if n else BUDGET_GUESS * base
-            if spent + cost <= allowance:
+            elif acc.affords_a_round(now):
                 self._come_back(f"{spent * 1e3:.1f} ms spent of {allowance * 1e3:.1f} allowed")
-            else:  # the time at which the allowance covers it, if eager's round holds
-                self._due = self.started + (spent + cost) / self.budget
             return True
         if spent > allowance and self.active and self.pending is None and not self.waiting:
             self.engine.flush("budget")
@@ -886,15 +815,6 @@ class Presence:
                      "beyond eager's, %.1f ms allowed)", spent * 1e3, allowance * 1e3)
             return True
         return False
-
-    def _new_kind(self) -> None:
-        """The rounds change kind (module calls, then optimizer steps): what was spent is priced
-        at the old kind's eager round, and eager's round is measured again."""
-        if self._base is not None:
-            self._spent0 += self._costly_s - self._costly_n * self._base
-            self._costly_s, self._costly_n = 0.0, 0
-        self._plain.clear()
-        self._base, self._plain_new = None, 0
 
     def _come_back(self, why: str) -> None:
         self.saving = False

@@ -237,7 +237,7 @@ class CompileManager:
             if self._from_disk(entry, trace, live):
                 return None
         if self.decisions.is_hot(entry) and entry.state == "new":
-            if compiles_held():  # Note [learning budget] in aside.py: not affordable yet
+            if compiles_held():  # Note [learning budget] in budget.py: not affordable yet
                 M.compiles_held += 1
                 return None
             return self._submit(entry, trace, live)

@@ -138,7 +138,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("budget", "ADAPTIVE_EAGER_BUDGET", _int_in(0, 100), 5,
             "Percent of the run's time the engine may spend learning (recording op by op, "
             "sending traces, compiling beside the program) beyond plain eager's, counted from "
-            "the start (Note [learning budget] in aside.py); until then it runs plain eager. "
+            "the start (Note [learning budget] in budget.py); until then it runs plain eager. "
             "0: no limit, record from the first op."),
     Setting("step_flush", "ADAPTIVE_EAGER_STEP_FLUSH", _parse_bool, True,
             "End the trace after every optimizer step, so each training iteration is one "

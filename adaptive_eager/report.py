@@ -58,6 +58,8 @@ def summarize_run(records: list[dict]) -> dict:
         "accel_missing": m.get("accel_missing", ""),
         "fallbacks": m.get("fallbacks", 0), "step_asides": m.get("step_asides", 0),
         "compile_waits": m.get("compile_waits", 0),
+        "budget_rounds": m.get("budget_rounds", 0), "budget_asides": m.get("budget_asides", 0),
+        "compiles_held": m.get("compiles_held", 0),
         "top_traces": saved[:10],
         "ledger": ledger[:20],
         "traces": [_trace_row(t) for t in traces[:50]],
@@ -286,6 +288,11 @@ def _format_run(r: dict) -> list[str]:
            f"  compiles: {r['compiles']} ({r['compile_seconds']} s), disk hits {r['disk_hits']}, "
            f"disk errors {r['disk_errors']}, stepped aside {r['step_asides']}x, "
            f"plain eager while compiling {r.get('compile_waits', 0)}x"]
+    if r.get("budget_rounds") or r.get("compiles_held"):
+        out.append(f"  learning budget: {r.get('budget_rounds', 0)} rounds in plain eager to stay "
+                   f"within it (went aside on it {r.get('budget_asides', 0)}x), "
+                   f"{r.get('compiles_held', 0)} hot runs whose compile it held back "
+                   "(ADAPTIVE_EAGER_BUDGET; 0 learns from the first op)")
     if r.get("flush_causes"):
         out.append("  flush causes by time lost (your line, what ended the trace there, ops "
                    "that ran op by op):")

@@ -71,6 +71,9 @@ def _figures(r: dict) -> str:
              ("disk_hits", "programs from disk", r["disk_hits"]),
              ("step_asides", "stepped aside", r["step_asides"]),
              ("compile_waits", "plain eager while compiling", r.get("compile_waits", 0)),
+             ("budget_rounds", "rounds plain within the learning budget",
+              r.get("budget_rounds", 0)),
+             ("compiles_held", "compiles held by the budget", r.get("compiles_held", 0)),
              ("saved_ms", "ms saved by fused runs (top traces)", round(saved_ms, 3))]
     cells = "".join(f"<div class='fig'><b data-key='{k}'>{_e(v)}</b><span>{_e(label)}</span>"
                     f"</div>" for k, label, v in items)

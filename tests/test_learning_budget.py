@@ -1,4 +1,4 @@
-"""The learning budget (Note [learning budget] in aside.py): the engine spends at most a share of
+"""The learning budget (Note [learning budget] in budget.py): the engine spends at most a share of
 the run's time beyond plain eager's until its programs pay. Rounds are timed on a clock the test
 advances (as in test_aside.py), so what is asserted is the account's arithmetic, never a timing
 of this machine; the subprocess tests run the real defaults and compare with eager."""
@@ -19,6 +19,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import aside
+from adaptive_eager.budget import BUDGET_GUESS, BUDGET_PLAIN_MIN, Account
 from adaptive_eager.compile import policy
 from adaptive_eager.config import ConfigError, resolve
 
@@ -96,11 +97,41 @@ def test_the_account_keeps_the_engine_within_its_share(clock: Clock) -> None:
     assert not any(sides[:3]), sides[:10]  # it starts aside
     first = sides.index(True)
     # the first round in the engine: once 10% of the time covers BUDGET_GUESS eager rounds
-    assert first >= aside.BUDGET_GUESS / 0.10 - 2, first
+    assert first >= BUDGET_GUESS / 0.10 - 2, first
     assert 0 < sum(sides) < 400 * 0.10 / ((ENGINE_S - PLAIN_S) / PLAIN_S) + 2, sum(sides)
     assert max(excess) <= ENGINE_S - PLAIN_S + 1e-9, max(excess)
     m = ae.metrics()
     assert m["budget_asides"] >= 1 and m["budget_rounds"] > 300, m
+
+
+def test_the_account_prices_rounds_against_eagers_lower_quartile() -> None:
+    """Eager's round is known once BUDGET_PLAIN_MIN clean plain rounds ended (the slow first
+    rounds of a program do not make it look cheap); a new kind of rounds measures it anew and
+    keeps what was spent; a round in the engine is affordable once the allowance covers it."""
+    acc = Account(0.05)
+    now = 0.0
+    acc.round_ended(now, "step", False)  # the first round end starts the account
+    for d in (0.020, 0.030, 0.001, 0.001, 0.001):  # two slow warm-up rounds, then eager's
+        now += d
+        acc.round_ended(now, "step", False)
+    assert acc.base == pytest.approx(0.001) and BUDGET_PLAIN_MIN == 5
+    assert not acc.affords_a_round(now)  # 5% of 53 ms < BUDGET_GUESS ms
+    assert acc.due == pytest.approx(acc.started + BUDGET_GUESS * 0.001 / 0.05)
+    due = acc.due
+    while not acc.affords_a_round(now):  # plain rounds until the allowance covers one
+        now += 0.001
+        acc.round_ended(now, "step", False)
+    assert now == pytest.approx(due, abs=0.0011)
+    now += 0.004  # a round in the engine: 3 ms beyond eager's
+    acc.round_ended(now, "step", True)
+    assert acc.spent() == pytest.approx(0.003)
+    now += 0.002
+    acc.round_ended(now, "forward", False)  # another kind: eager's round unknown again
+    assert acc.base is None
+    for _ in range(BUDGET_PLAIN_MIN + 1):
+        now += 0.002
+        acc.round_ended(now, "forward", False)
+    assert acc.base == pytest.approx(0.002) and acc.spent() == pytest.approx(0.003)
 
 
 def test_no_budget_records_from_the_first_op(clock: Clock) -> None:

@@ -67,7 +67,7 @@ _HISTORY = 8  # timing samples kept per trace and kind
 COMPILE_GUESS_S = 10.0  # a cold compile's seconds before one was timed here (Note [learning budget])
 
 
-_held = threading.local()  # Note [learning budget] in aside.py: this thread's hold on compiles
+_held = threading.local()  # Note [learning budget] in budget.py: this thread's hold on compiles
 
 
 def compiles_held() -> bool:
