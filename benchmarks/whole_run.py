@@ -57,7 +57,8 @@ DEFAULT_OUT = Path(__file__).parent / "out"
 ENGINE_COUNTERS = ("compiles", "service_compiles", "compiles_pending", "disk_hits",
                    "compiled_runs", "replayed_runs", "kept_fused", "kept_replay", "step_asides",
                    "trials", "flushes", "compile_wait_seconds", "engine_errors", "fused_errors",
-                   "quarantined", "ops_intercepted")
+                   "quarantined", "ops_intercepted", "budget_rounds", "budget_asides",
+                   "compiles_held")
 FIRST_STEPS = 3  # a mode's first losses must match eager's within FIRST_RTOL
 FIRST_RTOL = 1e-4
 Row = dict[str, Any]

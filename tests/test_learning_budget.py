@@ -236,6 +236,7 @@ def test_default_run_of_an_unmodified_script_starts_plain_and_equals_eager(
     assert m["compiles"] == 0 and m["service_compiles"] == 0 and m["compiles_pending"] == 0, m
 
 
+@pytest.mark.slow  # two processes, one of them an Inductor compile
 def test_a_script_with_stored_programs_starts_in_the_engine(tmp_path: Path) -> None:
     """Note [learning budget]: where an earlier run of the script stored programs, loading them
     costs little, so the next run starts in the engine without an account and runs fused."""
