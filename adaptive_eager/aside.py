@@ -473,6 +473,8 @@ class Presence:
         self.account = Account(opts.budget / 100.0 if opts.step_aside else 0.0)
         self._round_on = False  # the engine was on during the round now running
         self._landing = False  # aside on the budget with a compile in flight (a core lent)
+        self._held = False  # aside on the budget after a stint that held a compile back
+        self._held_mark = M.compiles_held  # when the engine last went aside on the budget
         self.saving = bool(self.account.share) and not engine.compiler.programs.warm \
             and not _distributed().active()  # aside to stay within the budget
         if not self.saving:
@@ -798,7 +800,7 @@ class Presence:
             if self._landing and (not M.compiles_pending or (M.budget_rounds & 15) == 0) \
                     and not self.engine.compiler.compiling():
                 self._come_back("a program landed")
-            elif acc.affords_a_round(now):
+            elif acc.affords_a_round(now, policy.compile_cost() if self._held else 0.0):
                 self._come_back(f"{spent * 1e3:.1f} ms spent of {allowance * 1e3:.1f} allowed")
             return True
         if spent > allowance and self.active and self.pending is None and not self.waiting:
@@ -810,6 +812,8 @@ class Presence:
             self._landing = M.compiles_pending > 0
             if self._landing and self.engine.options.lend_core:
                 self.loan.lend()
+            # a compile held in this stint: come back when it is affordable too
+            self._held, self._held_mark = M.compiles_held != self._held_mark, M.compiles_held
             M.budget_asides += 1
             log.info("adaptive_eager: plain eager within the learning budget (%.1f ms spent "
                      "beyond eager's, %.1f ms allowed)", spent * 1e3, allowance * 1e3)

@@ -168,6 +168,32 @@ def test_a_compile_waits_until_the_allowance_covers_it(clock: Clock, cache_dir: 
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-7)
 
 
+def test_a_held_compile_is_saved_for_not_spent_on_rounds(
+        clock: Clock, cache_dir: Path, graph_backend: object,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a hot trace's compile was held, rounds in the engine teach nothing more: the engine
+    comes back only when the allowance covers a round and the compile, and then compiles. (Coming
+    back for every round it could afford spent the allowance as fast as it grew: never sent.)"""
+    monkeypatch.setattr(policy, "_cores", 2)  # a compile is expected to cost 10 s / 2 cores
+    ref, _ = _loop(1500, None)
+
+    def each_step(on: bool) -> None:
+        clock.now += 0.4 if on else 0.1  # rounds of 100 ms; 300 ms more in the engine
+
+    losses, sides = _loop(1500, dict(backend=graph_backend.name, budget=5, hot_after=2,
+                                     compile_async=False, cache_dir=str(cache_dir),
+                                     disk_cache=False), each_step)
+    m = {k: v for k, v in ae.metrics().items() if v}
+    assert m.get("compiles_held", 0) >= 1 and m.get("compiles", 0) >= 1, str(m)
+    assert m.get("compiled_runs", 0) >= 1, str(m)
+    # 5% of the time pays for the rounds in the engine and the held compile's 5 s: the engine
+    # came in for a few rounds before the compile, not for one in every 20
+    first_fused = next(i for i in range(1, len(sides)) if sides[i] and sides[i - 1]
+                       and i > 1000) if any(sides[1000:]) else len(sides)
+    assert sum(sides[:first_fused]) < 12, sum(sides[:first_fused])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-7)
+
+
 def test_the_hold_is_this_threads_own() -> None:
     policy.hold_compiles(True)
     other: list[bool] = []
