@@ -171,6 +171,9 @@ SYNC_ROUND = 16  # syncs a round of a program whose rounds are syncs (Note [sync
 SYNC_ROUNDS_AFTER = 64  # flushes with no round of another kind before syncs become rounds
 
 
+GRACE_ROUNDS = 32  # rounds to time a landed program and try it (Note [learning budget])
+
+
 def _distributed() -> Any:
     """The distributed module (it imports this one's layer: Note [ranks agree])."""
     from adaptive_eager import distributed
@@ -474,6 +477,7 @@ class Presence:
         self._round_on = False  # the engine was on during the round now running
         self._landing = False  # aside on the budget with a compile in flight (a core lent)
         self._held = False  # aside on the budget after a stint that held a compile back
+        self._grace = 0  # rounds after a landing in which the account does not send it aside
         self._held_mark = M.compiles_held  # when the engine last went aside on the budget
         self.saving = bool(self.account.share) and not engine.compiler.programs.warm \
             and not _distributed().active()  # aside to stay within the budget
@@ -799,11 +803,18 @@ class Presence:
         if self.saving:
             if self._landing and (not M.compiles_pending or (M.budget_rounds & 15) == 0) \
                     and not self.engine.compiler.compiling():
+                self._grace = GRACE_ROUNDS
                 self._come_back("a program landed")
             elif acc.affords_a_round(now, policy.compile_cost() if self._held else 0.0):
                 self._come_back(f"{spent * 1e3:.1f} ms spent of {allowance * 1e3:.1f} allowed")
             return True
-        if spent > allowance and self.active and self.pending is None and not self.waiting:
+        if self.waiting:
+            self._grace = GRACE_ROUNDS  # counted down from the compile's landing
+            return False
+        if self._grace:  # a program that landed is timed (and tried) before the account speaks
+            self._grace -= 1
+            return False
+        if spent > allowance and self.active and self.pending is None:
             self.engine.flush("budget")
             self.deactivate()
             self.saving = True

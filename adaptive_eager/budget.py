@@ -37,6 +37,13 @@ recorded 3,856 rounds op by op in 166 s and never sent its compile). So after a 
 a compile was held, the engine comes back only when the allowance covers a round and the compile
 too; that round's hot run sends it.
 
+A program that lands is the point of all that spending, but the compile's rounds beside the
+program had used the allowance: the `chain` run sent its compile, got its program, ran it once
+and went aside on the account before it was timed. So for GRACE_ROUNDS rounds after a landing
+the account does not send the engine aside: the program is timed against op by op, and the
+measured trial (Note [measured trial] in aside.py) that follows decides, with no account after a
+verdict for the engine.
+
 The account is bookkeeping only (times in, decisions out); ``aside.Presence`` keeps one, feeds it
 each round end with the clock it reads, and acts on what it says.
 """
