@@ -56,8 +56,10 @@ def assert_equal_tree(a: Any, b: Any) -> None:
 
 def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                 y: torch.Tensor, steps: int, options: dict[str, Any] | None = None,
-                each_step: Callable[[], Any] | None = None) -> list[float]:
-    """An ordinary MSE training loop, under the engine when ``options`` is given (even empty)."""
+                each_step: Callable[[], Any] | None = None,
+                before_step: Callable[[], Any] | None = None) -> list[float]:
+    """An ordinary MSE training loop, under the engine when ``options`` is given (even empty);
+    ``before_step`` runs before each optimizer step (the end of a round), ``each_step`` after."""
     losses = []
     ctx = ae.adaptive_eager(**options) if options is not None else None
     if ctx is not None:
@@ -67,6 +69,8 @@ def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Ten
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
+            if before_step is not None:
+                before_step()
             opt.step()
             losses.append(loss.item())
             if each_step is not None:

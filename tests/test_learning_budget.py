@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import train_steps
 
 import adaptive_eager as ae
 from adaptive_eager import aside
@@ -56,25 +57,14 @@ def _loop(steps: int, options: dict | None, each_step: Callable[[bool], None] | 
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
     x, y = torch.randn(5, 6), torch.randn(5, 1)
-    losses: list[float] = []
     sides: list[bool] = []
-    ctx = ae.adaptive_eager(**options) if options is not None else None
-    if ctx is not None:
-        ctx.__enter__()
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            on = _engine_on()
-            sides.append(on)
-            if each_step is not None:
-                each_step(on)
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+
+    def before_step() -> None:
+        sides.append(_engine_on())
+        if each_step is not None:
+            each_step(sides[-1])
+
+    losses = train_steps(model, opt, x, y, steps, options, before_step=before_step)
     return losses, sides
 
 
