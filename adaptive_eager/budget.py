@@ -21,15 +21,22 @@ measured one), and goes back aside at a round end where the account is over the 
 (never during a trial, which alternates on its own and is bounded, and never once a trial found
 for the engine: fused rounds that win pay into the account). A compile in flight gets a core lent
 whether the engine waits for it or is aside on the budget (an OpenMP team of all cores beside a
-compile, even one at the lowest priority, ran 4x slower: Note [compile cores] in cores.py); a program that
-lands while it is aside brings it back at once. The run stays within about ``budget`` of eager's time plus one round's cost, at any
-length: a short run never pays for a compile it cannot use (it may still send one, which the
-compile service finishes for the next run), a long run reaches its programs later (a round that
-costs 4 eager rounds is recorded about every 80 rounds at first). Where earlier runs of the
-script stored programs (the warm-start prefetch found some), and in a distributed job (ranks
-would record different rounds, Note [ranks agree] in distributed.py), it starts in the engine without an account.
+compile, even one at the lowest priority, ran 4x slower: Note [compile cores] in cores.py); a
+program that lands while it is aside brings it back at once. The run stays within about
+``budget`` of eager's time plus one round's cost, at any length: a short run never pays for a
+compile it cannot use (it sends none), a long run reaches its programs later (its first round in
+the engine after about 320 rounds, its first compile after about 20x the compile's expected
+cost). Where earlier runs of the script stored programs (the warm-start prefetch found some), and
+in a distributed job (ranks would record different rounds, Note [ranks agree] in
+distributed.py), it starts in the engine without an account.
 A program that never ends a round (no module call, optimizer step or second context) stays in
 plain eager under a budget; ``budget=0`` records from the first op as before.
+
+A compile is the dearest item: its seconds of a core, taken from the program for as long as it
+runs. So a hot trace is not sent while the allowance cannot also cover a compile's expected cost
+(``policy.compile_cost``: the seconds of this process's compiles, else COMPILE_GUESS_S, divided
+by the cores); the presence sets this thread's hold (``policy.hold_compiles``) at each round end,
+the compile manager counts each hot run it held (``compiles_held``), and disk loads go on.
 
 Rounds in the engine teach nothing more once a trace is hot and only its compile is held: coming
 back for them spent the allowance the compile waited for (the `chain` program, 60,000 steps,
@@ -44,13 +51,19 @@ the account does not send the engine aside: the program is timed against op by o
 measured trial (Note [measured trial] in aside.py) that follows decides, with no account after a
 verdict for the engine.
 
+The first round in the engine is the dearest: every op is new (its metadata computed, its first
+replay cold), 8-30x an eager round on the whole-run programs (scan: 5 ms eager, 150-250 ms the
+first time). With a guess of 4 eager rounds the engine came in about 0.4 s into scan's 1.2 s run
+and that one round overshot the 5% by 2-5x (1.12-1.33x eager's whole time over three repeats);
+the guess is 16 rounds, and once a round was measured its cost replaces the guess.
+
 The account is bookkeeping only (times in, decisions out); ``aside.Presence`` keeps one, feeds it
 each round end with the clock it reads, and acts on what it says.
 """
 
 from __future__ import annotations
 
-BUDGET_GUESS = 4.0  # a round in the engine, in eager rounds, before one was measured
+BUDGET_GUESS = 16.0  # a first round in the engine, in eager rounds, before one was measured
 BUDGET_PLAIN = 15  # recent clean plain rounds: eager's round is their lower quartile
 BUDGET_PLAIN_MIN = 5  # ... once there are this many
 
