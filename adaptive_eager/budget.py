@@ -5,8 +5,9 @@ Until a program pays, everything the engine does costs the user time: a round re
 replayed op by op costs 3-15x eager's round (metadata of new ops, cold replays), the round that
 sends a trace to the compiler 100-250 ms (the graph, the service), and a compile beside the
 program slows its rounds (a core lent to it). A run of a few seconds, over before any program
-lands, paid all of that for nothing: 1.15-1.56x eager's whole time on the graph-break programs
-(200 steps, 2 threads, quiet), and nobody tells the engine how long a run will be. So each
+lands, paid all of that for nothing: 1.21x eager's whole time (geomean; 0.88-1.56x) on the
+graph-break programs (200 steps, 2 threads, quiet), and nobody tells the engine how long a run
+will be. So each
 presence keeps an account, in time: since it started, and what it spent beyond eager's - every
 round that ran (partly) in the engine or beside a compile, less eager's round (the lower quartile
 of its last BUDGET_PLAIN clean plain rounds, once there are BUDGET_PLAIN_MIN: the first rounds
