@@ -23,7 +23,7 @@ from adaptive_eager.dispatch.lazy import (
     CONJ, NEG, LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of, _set_bits,
     rebind_aliases, resolve_all,
 )
-from adaptive_eager.dispatch.opspec import GRAD_MODE, RANDOM, OpSpec
+from adaptive_eager.dispatch.opspec import GRAD_MODE, INPLACE_VIEW, RANDOM, OpSpec
 from adaptive_eager.explain import explain_miss, note_flush_site, user_frame
 from adaptive_eager.compiler import manager_for, run_size
 from adaptive_eager.execute import live_slots, poison, publish, replay
@@ -661,9 +661,12 @@ class Engine:
         rkwargs = {k: resolve_all(v) for k, v in kwargs.items()} if kwargs else {}
         user_op = learn is not None and getattr(op, "namespace", "aten") != "aten"
         rng = torch.get_rng_state() if user_op else None
+        before = _written_layouts(spec, rargs) if spec.writes else None
         with _DisableFunction():
             out = op(*rargs, **rkwargs)
-            if learn is not None:
+            if before is not None and before != _written_layouts(spec, rargs):
+                _resizes_what_it_writes(spec, args)
+            elif learn is not None:
                 out_spec = _out_spec(out, spec.ret_alias)
                 META_CACHE.put(learn, out_spec)
                 if out_spec is not EAGER_ONLY and _fresh(out, rargs, rkwargs):
@@ -767,9 +770,10 @@ class Engine:
             with _DisableDispatch(), _DisableFunction():
                 return op(*args, **kwargs)
         out = self.run_fallback(op, spec, args, kwargs, "inplace_view")
-        target = args[0]
-        if type(target) is LazyTensor:
-            _refresh_wrapper(target)
+        for i in spec.writes or (0,):
+            target = args[i] if type(i) is int and i < len(args) else None
+            if type(target) is LazyTensor and target._ae_real is not None:
+                _refresh_wrapper(target)
         return out
 
     def engine_error(self, err: BaseException, spec: OpSpec) -> str:
@@ -911,6 +915,37 @@ EAGER_ONLY = "eager-only"  # metadata-cache value: outputs a lazy tensor cannot 
 # op, cut into 3-4 traces each, before its whole step repeated. Ops that may alias an input (by
 # their schema, or as found when learning: ``_unsafe_view`` shares storage unannotated) are
 # keyed with offsets as before.
+# Note [in-place ops that resize]
+# An in-place op returns its input with the input's metadata, so the engine defers it with the
+# wrapper as it is. A few kernels resize what they write instead: ``addbmm_`` with a broadcast
+# self (shape (1,) or ()) runs as addbmm.out into self and resizes it to the product's shape.
+# Deferred, the wrapper would keep the old shape and every later op would be keyed, computed
+# and shaped against it (a view of it took 1 element where eager took 50). The op's learning run
+# (its first real run) compares the layout of each tensor it writes before and after; an op
+# seen to resize one is from then on handled as the metadata-changing in-place ops are
+# (``t_``, ``resize_``: run at once, the wrapper made to follow), for every call, since whether
+# it resizes depends on the shapes. Every other real run of an op that writes (fallbacks, custom
+# ops without a fake impl) is checked the same way, so a wrapper never keeps a stale shape. Ops
+# in torch's OpInfo database that do this: addbmm_ alone.
+def _resizes_what_it_writes(spec: OpSpec, args: tuple) -> None:
+    if spec.policy != INPLACE_VIEW:
+        spec.policy, spec.reason = INPLACE_VIEW, "resizes the tensor it writes in place"
+    for i in spec.writes or ():
+        a = args[i] if type(i) is int and i < len(args) else None
+        if type(a) is LazyTensor and a._ae_real is not None:
+            _refresh_wrapper(a)
+
+
+def _written_layouts(spec: OpSpec, args: tuple) -> tuple:
+    """Sizes, strides and offsets of the positional tensors an op writes (real values)."""
+    out = []
+    for i in spec.writes:
+        a = args[i] if type(i) is int and i < len(args) else None
+        if isinstance(a, _Tensor) and a.layout == torch.strided:
+            out.append((i, tuple(a.shape), a.stride(), a.storage_offset()))
+    return tuple(out)
+
+
 def _fresh(out: Any, args: tuple, kwargs: dict) -> bool:
     """Whether no tensor output of a real run shares storage with a tensor input."""
     outs = out if type(out) is tuple or type(out) is list else (out,)

@@ -257,6 +257,17 @@ if __name__ == "__main__":
 '''
 
 
+# Known engine gaps (README, "Known gaps"), each with its strict xfail in
+# tests/test_fuzz_regressions.py: left out of generated programs (statement kinds, OpInfo ops as
+# "op:NAME", or variants such as "cmp_operator") so a sweep reports only new findings. Drop an
+# entry when its regression test passes; ``--all`` on the command line keeps them in.
+KNOWN: frozenset[str] = frozenset({
+    "op:norm.nuc",  # test_svdvals_bitwise_under_replay
+    # `x == lazy` runs reflected (CPython); the same comparison is written torch.eq(x, lazy)
+    "cmp_operator",  # test_comparison_operator_with_pending_operand_keeps_eager_strides
+})
+
+
 class _Gen:
     """Builds one program, running each statement eagerly to know the variables' metadata."""
 
@@ -353,8 +364,10 @@ class _Gen:
 
     def k_opinfo_inplace(self) -> bool:
         dtype = self.c.choice(DTYPES)
+        # polygamma_ fed its own output grows its values each round, and eager's kernel slows
+        # with them (2 s a call near 1e8, minutes near 4e12): a stall of eager, not a finding
         keys = [k for k in opinfo_keys(dtype) if opinfo_db()[k].inplace_variant is not None
-                and "op:" + k not in self.exclude]
+                and "op:" + k not in self.exclude and not k.startswith("polygamma")]
         if not keys:
             return False
         key = self.c.choice(keys)
@@ -382,7 +395,9 @@ class _Gen:
         op = self.c.choice(["torch.add({a}, {b})", "torch.mul({a}, {b})", "{a} - {b}",
                             "torch.maximum({a}, {b})", "torch.where({a} > 0, {a}, {b})",
                             "{a} * 0.5 + {b}", "torch.true_divide({a}, {b}.abs() + 1)",
-                            "torch.addcmul({a}, {a}, {b}, value=0.25)", "({a} == {b})",
+                            "torch.addcmul({a}, {a}, {b}, value=0.25)",
+                            "torch.eq({a}, {b})" if "cmp_operator" in self.exclude
+                            else "({a} == {b})",
                             "torch.lerp({a}.double(), {b}.double(), 0.3)",
                             "{a}.float().clamp(-2, 2).tanh() + {b}"])
         return self.emit("binary", f"{self.fresh()} = " + op.format(a=a, b=b))
@@ -943,10 +958,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", action="store_true")
     ap.add_argument("--minimise", action="store_true", help="with --seed: shrink a mismatch")
     ap.add_argument("--exclude", default="", help="comma-separated statement kinds")
+    ap.add_argument("--all", action="store_true", help="keep the known gaps (KNOWN) in")
     ap.add_argument("--no-opinfo", action="store_true")
     ap.add_argument("--small", action="store_true", help="the fused vocabulary")
     args = ap.parse_args(argv)
-    exclude = frozenset(x for x in args.exclude.split(",") if x)
+    exclude = frozenset(x for x in args.exclude.split(",") if x) | (
+        frozenset() if args.all else KNOWN)
     if args.seed is not None:
         p = generate(Chooser(args.seed), args.mode, exclude, not args.no_opinfo,
                      max_statements=6 if args.small else 10, small=args.small)

@@ -15,8 +15,8 @@ A failure prints the program as a standalone script (``python it.py`` prints OK 
 become a regression test. ``python tests/fuzz_programs.py --mode replay --n 1000`` sweeps seeded
 programs and logs every mismatch instead of stopping at the first.
 
-Statement kinds that still meet known engine bugs are left out here (``KNOWN``); each has its
-minimal program as a strict xfail in tests/test_fuzz_regressions.py. Remove a kind from
+Statement kinds that still meet known engine gaps are left out (``fuzz_programs.KNOWN``); each
+has its minimal program as a strict xfail in tests/test_fuzz_regressions.py. Remove a kind from
 ``KNOWN`` when its regression test passes.
 """
 
@@ -35,11 +35,7 @@ import torch  # noqa: E402
 
 import fuzz_programs as fp  # noqa: E402  (tests/ is on sys.path)
 
-# Statement kinds (or OpInfo ops, "op:NAME") left out of the fuzzed programs while a known bug
-# stands (see the module doc); each has its strict xfail in tests/test_fuzz_regressions.py.
-KNOWN: frozenset[str] = frozenset({
-    "op:norm.nuc",  # test_svdvals_bitwise_under_replay
-})
+KNOWN = fp.KNOWN  # known gaps left out of the programs (see the module doc)
 
 BOUNDED_REPLAY = 30
 BOUNDED_FUSED = 3

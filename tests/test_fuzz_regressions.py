@@ -2,7 +2,7 @@
 
 Those that still fail are strict xfails with the reason; when a fix lands the xfail turns into an
 unexpected pass, which fails the suite: drop the marker then (and the matching entry of
-``test_fuzz.KNOWN``).
+``fuzz_programs.KNOWN``).
 """
 
 from __future__ import annotations
