@@ -29,6 +29,7 @@ except ImportError:  # a torch without it: the code is generated at once, as bef
 
 from adaptive_eager.dispatch import ambient
 from adaptive_eager.dispatch.lazy import LazyTensor
+from adaptive_eager.sizefit import ExtPat, Poly, arg_kinds
 from adaptive_eager.trace import Slot, Trace
 
 aten = torch.ops.aten
@@ -677,8 +678,6 @@ class _PolyArg:
 
 def _key_ints(part: Any, tensor: bool, out: list) -> None:
     """The fitted int arguments of a template key part, in order (shapes._walk's order)."""
-    from adaptive_eager.shapes import Poly
-
     t = type(part)
     if t is int or t is Poly:
         if not tensor:
@@ -696,10 +695,8 @@ def _key_ints(part: Any, tensor: bool, out: list) -> None:
 
 
 def _step_ints(key: tuple) -> list:
-    from adaptive_eager.shapes import _ctx
-
     spec = key[0]
-    pos, kw = _ctx(spec)
+    pos, kw = arg_kinds(spec)
     out: list = []
     i, p, n = 1, 0, len(key)
     while i < n:
@@ -748,7 +745,6 @@ def _symbolic_plan(trace: Trace, st: Any, reals: list[torch.Tensor]
     """Per op: its int arguments' polynomials (None where static); per external: its dims
     that follow s. Raises Unfusable where the template and the trace do not line up."""
     from adaptive_eager.dispatch.opspec import spec_for
-    from adaptive_eager.shapes import ExtPat, Poly
 
     tpl, s, first = st.tpl, st.s, st.first
     if tpl is None or s < 2 or first + len(tpl.steps) != len(trace.ops):

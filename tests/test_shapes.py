@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import shapes
+from adaptive_eager import shapes, sizefit
 from conftest import assert_same
 
 LEARN = [5, 7, 9, 11, 13, 6, 8, 10, 12, 14, 15, 18, 19, 21]  # fits need 3 sizes (4 for T*T strides)
@@ -156,7 +156,7 @@ def test_constant_dim_equal_to_s_stays_static() -> None:
         for key, _ksym, _out, _osym in tpl.steps:
             for part in key[1:]:  # the weight [16, 16] stays a plain external
                 if isinstance(part, tuple) and len(part) == 3 and isinstance(
-                        part[1], shapes.ExtPat):
+                        part[1], sizefit.ExtPat):
                     assert part[1].size[1] == 16
 
 
