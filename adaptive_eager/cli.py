@@ -264,7 +264,7 @@ def cmd_import(ns: argparse.Namespace) -> int:
     import tempfile
 
     from adaptive_eager.cache import bundle
-    from adaptive_eager.cache.disk import BadEntry
+    from adaptive_eager.cache.seal import BadEntry
 
     secret, _ = _export_key(ns)
     disk = _open_disk(ns.cache_dir)

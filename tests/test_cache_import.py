@@ -557,7 +557,7 @@ def test_engine_over_stats_with_bad_fields_gives_eager_results(
 def test_store_entries_is_all_or_nothing(cache_dir: Path) -> None:
     """The storing half of an import: an entry that fails its checks midway rolls back the
     ones before it (and a sound batch is stored whole, counted)."""
-    from adaptive_eager.cache.disk import BadEntry
+    from adaptive_eager.cache.seal import BadEntry
 
     disk = DiskCache(cache_dir, 1 << 30)
     good = [("stats:" + "1" * 32, dict(STATS), b""), ("quarantine:" + "2" * 32,

@@ -304,7 +304,7 @@ _KILLED = textwrap.dedent("""
     import os, sys, torch
     import adaptive_eager as ae
     from adaptive_eager.cache.disk import DiskCache
-    real_sql = DiskCache._sql
+    real_sql = DiskCache.sql
     def sql_then_die(self, query, args=()):
         if query.startswith("INSERT") and args and str(args[0]).startswith("program:"):
             conn = self._db()
@@ -312,7 +312,7 @@ _KILLED = textwrap.dedent("""
             conn.execute(query, args)  # the row is written...
             os._exit(9)  # ...and the process dies before it commits
         return real_sql(self, query, args)
-    DiskCache._sql = sql_then_die
+    DiskCache.sql = sql_then_die
     x = torch.ones(8, 8)
     # compile_service off: this process writes the program itself (and dies doing so)
     with ae.adaptive_eager(hot_after=2, compile_async=False, compile_service=False,

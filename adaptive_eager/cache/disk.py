@@ -39,24 +39,23 @@ cannot write is served read-only.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import re
 import sqlite3
 import stat
-import struct
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 
-from adaptive_eager.cache import evict, kernel_refs, pins, trust, values
+from adaptive_eager.cache import evict, kernel_refs, legacy, trust, values
+from adaptive_eager.cache.folder import DB_NAME, INDUCTOR_DIR, warn_once, writable
+from adaptive_eager.cache.limit import FolderSize
+from adaptive_eager.cache.seal import BadEntry, Seal, load_secret
 from adaptive_eager.cache.trust import Untrusted
 from adaptive_eager.metrics import METRICS as M
 
@@ -66,30 +65,14 @@ FORMAT = 2  # bump when the value layout changes: old entries are then skipped
 _PROGRAM = "program:"
 _STATS = "stats:"
 _QUARANTINE = "quarantine:"
-DB_NAME = "cache.sqlite"
-SECRET_NAME = "secret"
-INDUCTOR_DIR = "inductor"
-RUNS_DIR = "runs"
-_LEGACY_DB = "cache.db"  # the diskcache format (pickled values): never loaded
-_LEGACY_SUB = re.compile(r"^[0-9a-f]{2}$")
-_LEGACY_VAL = re.compile(r"^[0-9a-f]{28}\.val$")
 _KEY = re.compile(r"^(program|stats|quarantine):[A-Za-z0-9_.+=-]{1,256}$")
-_MAGIC = b"AEC2"
-_HEAD = struct.Struct("<I")
-_MAC_LEN = 32
-_RESCAN_S = 60.0
 _TOUCH_S = 600.0  # a use is recorded at most this often (each record is a committed write)
-_logged: set[str] = set()
 # Kernel folders that passed the trust rule in this process, writable (the backend uses them).
 KERNEL_DIRS_OK: set[str] = set()
 # Their caches' size limits in bytes (precompiled headers only where they fit: Note [cache size]).
 KERNEL_DIR_LIMITS: dict[str, int] = {}
 
 UnsafeCacheDir = Untrusted  # the name earlier versions exported
-
-
-class BadEntry(Exception):
-    """A value that failed verification or parsing."""
 
 
 def default_cache_dir() -> Path:
@@ -102,25 +85,9 @@ def resolve_cache_dir(options: Any) -> Path:
     return Path(options.cache_dir).expanduser() if options.cache_dir else default_cache_dir()
 
 
-def _warn_once(kind: str, msg: str, *args: Any) -> None:
-    if kind not in _logged:
-        _logged.add(kind)
-        log.warning(msg, *args)
-
-
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` 0700 if needed; raise Untrusted unless it passes the trust rule."""
     return trust.check_root(path, create=True)
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj, key=repr)
-    if isinstance(obj, tuple):
-        return list(obj)
-    if isinstance(obj, bytes):
-        return obj.hex()
-    return str(obj)
 
 
 def _corrupt(err: Exception) -> bool:
@@ -135,16 +102,14 @@ class DiskCache:
     def __init__(self, directory: Path, size_limit: int) -> None:
         self.directory = trust.check_root(directory, create=True)
         self.size_limit = int(size_limit)
-        self.read_only = not _writable(self.directory)
-        self._lock = threading.RLock()
+        self.read_only = not writable(self.directory)
+        self.lock = threading.RLock()
         self._pid = os.getpid()
-        self._secret = self._load_secret()
+        self._seal = Seal(load_secret(self.directory, self.read_only, self.refused))
         self._conn: sqlite3.Connection | None = None
         self._connect()
-        self._scanned_at = 0.0
-        self._folder = evict.Folder()  # the kernel folder as last scanned
-        self._other_bytes = 0
-        self._rescan()  # the trust check of the kernels, also in a read-only folder
+        self.size = FolderSize(self)
+        self.size.rescan()  # the trust check of the kernels, also in a read-only folder
         if not self.read_only:
             self._collect_legacy()
             self.enforce_limit()
@@ -158,66 +123,15 @@ class DiskCache:
             return cls(directory, size_limit)
         except Untrusted as err:
             M.disk_errors += 1
-            _warn_once(f"unsafe:{directory}", "adaptive_eager: refusing cache folder: %s; "
+            warn_once(f"unsafe:{directory}", "adaptive_eager: refusing cache folder: %s; "
                        "running without the disk cache", err)
         except Exception as err:  # read-only and empty, missing permissions, unusable index
             M.disk_errors += 1
-            _warn_once(f"open:{directory}", "adaptive_eager: cannot open cache folder %s (%s); "
+            warn_once(f"open:{directory}", "adaptive_eager: cannot open cache folder %s (%s); "
                        "running without the disk cache", directory, err)
         return None
 
     # ---- the secret and the database ---------------------------------------------------------
-    def _load_secret(self) -> bytes:
-        """The per-cache MAC key: read only if it is this user's regular 0600 file."""
-        for _ in range(3):
-            try:
-                fd = trust.open_private(self.directory, SECRET_NAME)
-            except FileNotFoundError:
-                if self.read_only:
-                    raise Untrusted(f"{self.directory} is read-only and has no {SECRET_NAME}; "
-                                    "nothing in it can be verified") from None
-                self._create_secret()
-                continue
-            except Untrusted as err:
-                if self.read_only:
-                    raise
-                self._refused(f"secret:{self.directory}", str(err))
-                trust.remove_tree(self.directory / SECRET_NAME)  # a new key: old values fail
-                continue
-            with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                data = f.read(_MAC_LEN + 1)
-            if stat.S_IMODE(st.st_mode) & 0o077 or len(data) != _MAC_LEN:
-                if self.read_only:
-                    raise Untrusted(f"{self.directory / SECRET_NAME} is readable by others "
-                                    "or damaged")
-                self._refused(f"secret:{self.directory}", f"{self.directory / SECRET_NAME} is "
-                              f"readable by others or damaged; making a new one")
-                trust.remove_tree(self.directory / SECRET_NAME)
-                continue
-            return data
-        raise Untrusted(f"could not create a private {SECRET_NAME} in {self.directory}")
-
-    def _create_secret(self) -> None:
-        tmp = f"{SECRET_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = trust.open_private(self.directory, tmp,
-                                os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(os.urandom(_MAC_LEN))
-                f.flush()
-                os.fsync(f.fileno())
-            try:  # atomic and exclusive: two processes starting at once agree on one key
-                os.link(self.directory / tmp, self.directory / SECRET_NAME,
-                        follow_symlinks=False)
-            except FileExistsError:
-                pass
-        finally:
-            try:
-                os.unlink(self.directory / tmp)
-            except OSError:
-                pass
-
     def _db_path(self) -> Path:
         return self.directory / DB_NAME
 
@@ -235,14 +149,14 @@ class DiskCache:
                 if self.read_only:
                     raise
                 # Never opened: removed (a link is unlinked, not followed), then rebuilt.
-                self._refused(f"db:{self.directory}", f"{err}; removing it")
+                self.refused(f"db:{self.directory}", f"{err}; removing it")
                 trust.remove_tree(self.directory / name)
 
     def _connect(self) -> None:
         self._check_db_files()
         path = self._db_path()
         try:
-            if self.read_only or (path.exists() and not _writable(path)):
+            if self.read_only or (path.exists() and not writable(path)):
                 self.read_only = True
                 uri = f"file:{quote(str(path))}?mode=ro"
                 conn = sqlite3.connect(uri, uri=True, timeout=5, isolation_level=None,
@@ -273,7 +187,7 @@ class DiskCache:
 
     def _move_aside(self, err: Exception) -> None:
         M.disk_errors += 1
-        _warn_once(f"corrupt:{self.directory}", "adaptive_eager: the cache database %s is "
+        warn_once(f"corrupt:{self.directory}", "adaptive_eager: the cache database %s is "
                    "damaged (%s); moved it aside to %s and starting an empty one",
                    self._db_path(), err, DB_NAME + ".corrupt")
         if self._conn is not None:
@@ -294,9 +208,9 @@ class DiskCache:
             raise sqlite3.OperationalError("the cache database is closed")
         return self._conn
 
-    def _sql(self, query: str, args: tuple = ()) -> list[tuple]:
+    def sql(self, query: str, args: tuple = ()) -> list[tuple]:
         """Run one statement; a damaged database is moved aside and rebuilt (once)."""
-        with self._lock:
+        with self.lock:
             try:
                 return self._db().execute(query, args).fetchall()
             except sqlite3.DatabaseError as err:
@@ -306,10 +220,10 @@ class DiskCache:
                 self._connect()
                 return self._db().execute(query, args).fetchall()
 
-    def _transaction(self, steps: list[tuple[str, tuple | list]]) -> None:
+    def transaction(self, steps: list[tuple[str, tuple | list]]) -> None:
         """Run ``steps`` (statement, arguments; a list of argument tuples runs each) as one
         transaction; a damaged database is moved aside and rebuilt (once)."""
-        with self._lock:
+        with self.lock:
             try:
                 _run_steps(self._db(), steps, transaction=True)
             except sqlite3.DatabaseError as err:
@@ -320,32 +234,12 @@ class DiskCache:
                 _run_steps(self._db(), steps, transaction=True)
 
     # ---- values ---------------------------------------------------------------------------------
-    def _mac(self, key: str, body: bytes) -> bytes:
-        return hmac.new(self._secret, key.encode() + b"\0" + body, hashlib.sha256).digest()
-
     def encode(self, key: str, header: dict, payload: bytes = b"") -> bytes:
-        head = json.dumps(header, default=_jsonable, sort_keys=True).encode()
-        body = _MAGIC + _HEAD.pack(len(head)) + head + payload
-        return self._mac(key, body) + body
+        return self._seal.encode(key, header, payload)
 
     def decode(self, key: str, blob: Any, header_only: bool = False) -> tuple[dict, bytes]:
         """Verify the MAC first, then parse; raise BadEntry for anything else."""
-        if not isinstance(blob, bytes) or len(blob) < _MAC_LEN + len(_MAGIC) + _HEAD.size:
-            raise BadEntry("not a value this cache wrote (old format or damaged)")
-        mac, body = blob[:_MAC_LEN], blob[_MAC_LEN:]
-        if not hmac.compare_digest(mac, self._mac(key, body)):
-            raise BadEntry("failed verification: not written by this cache, or damaged")
-        if body[:len(_MAGIC)] != _MAGIC:
-            raise BadEntry("unknown value format")
-        n = _HEAD.unpack_from(body, len(_MAGIC))[0]
-        start = len(_MAGIC) + _HEAD.size
-        try:
-            header = json.loads(body[start:start + n])
-        except ValueError as err:
-            raise BadEntry(f"unreadable header ({err})") from None
-        if not isinstance(header, dict):
-            raise BadEntry("header is not a JSON object")
-        return header, (b"" if header_only else body[start + n:])
+        return self._seal.decode(key, blob, header_only)
 
     def checked(self, key: str, blob: Any, header_only: bool = False) -> tuple[dict, bytes]:
         """``decode``, then the type and range checks of every field (Note [cache values are
@@ -360,10 +254,10 @@ class DiskCache:
     def _get(self, key: str, header_only: bool = False, touch: bool = False
              ) -> tuple[dict, bytes] | None:
         try:
-            rows = self._sql("SELECT value, accessed FROM entries WHERE key = ?", (key,))
+            rows = self.sql("SELECT value, accessed FROM entries WHERE key = ?", (key,))
         except Exception as err:  # sqlite errors and the like
             M.disk_errors += 1
-            _warn_once(f"get:{type(err).__name__}", "adaptive_eager: disk cache read failed: %s",
+            warn_once(f"get:{type(err).__name__}", "adaptive_eager: disk cache read failed: %s",
                        err)
             return None
         if not rows:
@@ -375,7 +269,7 @@ class DiskCache:
             return None
         if touch and not self.read_only and time.time() - rows[0][1] > _TOUCH_S:
             try:  # least recently used eviction needs the time of last use (roughly: a write)
-                self._sql("UPDATE entries SET accessed = ? WHERE key = ?", (time.time(), key))
+                self.sql("UPDATE entries SET accessed = ? WHERE key = ?", (time.time(), key))
             except Exception:
                 pass
         return value
@@ -386,31 +280,31 @@ class DiskCache:
         try:
             blob = self.encode(key, header, payload)
             if key.startswith(_PROGRAM):  # the kernels it names first: Note [program entries]
-                self._transaction(_refs_steps(key, payload))
-            self._sql("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
+                self.transaction(_refs_steps(key, payload))
+            self.sql("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
                       "VALUES (?, ?, ?, ?)", (key, blob, len(blob), time.time()))
         except Exception as err:  # full disk, read-only folder, locked database
             M.disk_errors += 1
             if "readonly" in str(err).lower():
                 self.read_only = True
-            _warn_once(f"set:{type(err).__name__}", "adaptive_eager: disk cache write failed "
+            warn_once(f"set:{type(err).__name__}", "adaptive_eager: disk cache write failed "
                        "(%s); continuing without storing", err)
 
     def _bad(self, key: str, why: str) -> None:
         M.disk_errors += 1
-        _warn_once(f"bad:{why[:20]}", "adaptive_eager: skipping disk cache entry %s: %s",
+        warn_once(f"bad:{why[:20]}", "adaptive_eager: skipping disk cache entry %s: %s",
                    key[:40], why)
         if not self.read_only:
             try:
-                self._sql("DELETE FROM entries WHERE key = ?", (key,))
-                self._sql("DELETE FROM kernels WHERE program = ?", (key,))
+                self.sql("DELETE FROM entries WHERE key = ?", (key,))
+                self.sql("DELETE FROM kernels WHERE program = ?", (key,))
             except Exception:
                 pass
 
     @staticmethod
-    def _refused(kind: str, why: str) -> None:
+    def refused(kind: str, why: str) -> None:
         M.disk_errors += 1
-        _warn_once(f"refused:{kind}", "adaptive_eager: refusing %s", why)
+        warn_once(f"refused:{kind}", "adaptive_eager: refusing %s", why)
 
     # ---- compiled programs ------------------------------------------------------------------
     def get_program(self, key: str, torch_version: str) -> dict | None:
@@ -447,7 +341,7 @@ class DiskCache:
         """Program keys that runs of ``script`` stored or used, newest first, whose programs are
         still here (the prefetch at engine start, Note [warm start] in compile/programs.py). Reads
         the statistics' JSON headers only."""
-        rows = self._sql("SELECT key, value FROM entries WHERE key LIKE 'stats:%' "
+        rows = self.sql("SELECT key, value FROM entries WHERE key LIKE 'stats:%' "
                          "ORDER BY accessed DESC LIMIT 500")
         found: list[tuple[float, str]] = []
         for key, blob in rows:
@@ -463,7 +357,7 @@ class DiskCache:
         found.sort(reverse=True)
         keys = []
         for _, pk in found:
-            if pk not in keys and self._sql("SELECT 1 FROM entries WHERE key = ?",
+            if pk not in keys and self.sql("SELECT 1 FROM entries WHERE key = ?",
                                             (_PROGRAM + pk,)):
                 keys.append(pk)
             if len(keys) >= limit:
@@ -495,7 +389,7 @@ class DiskCache:
         if self.read_only:
             raise sqlite3.OperationalError(f"{self.directory} is read-only")
         n = 0
-        with self._lock:
+        with self.lock:
             db = self._db()
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -517,190 +411,53 @@ class DiskCache:
 
     def raw_get(self, key: str) -> bytes | None:
         """The stored bytes, unverified (tests and repair only: never parse them)."""
-        rows = self._sql("SELECT value FROM entries WHERE key = ?", (key,))
+        rows = self.sql("SELECT value FROM entries WHERE key = ?", (key,))
         return rows[0][0] if rows else None
 
     def raw_set(self, key: str, blob: bytes) -> None:
         """Store bytes as they are (tests: a planted or damaged value)."""
-        self._sql("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
+        self.sql("INSERT OR REPLACE INTO entries (key, value, size, accessed) "
                   "VALUES (?, ?, ?, ?)", (key, blob, len(blob), time.time()))
 
     def clear(self) -> int:
-        n = self._sql("SELECT count(*) FROM entries")[0][0]
-        self._sql("DELETE FROM entries")
-        self._sql("DELETE FROM kernels")
+        n = self.sql("SELECT count(*) FROM entries")[0][0]
+        self.sql("DELETE FROM entries")
+        self.sql("DELETE FROM kernels")
         trust.remove_tree(self.directory / INDUCTOR_DIR)
-        self._folder = evict.Folder()
+        self.size.folder = evict.Folder()  # measured anew at the next rescan
         return int(n)
 
-    # ---- size -----------------------------------------------------------------------------------
-    def _db_bytes(self) -> int:
-        """The database's files, and the secret and folders around everything else."""
-        total = 0
-        for name in (DB_NAME, DB_NAME + "-journal", DB_NAME + ".corrupt"):
-            try:
-                st = os.lstat(self.directory / name)
-            except OSError:
-                continue
-            total += max(st.st_size, getattr(st, "st_blocks", 0) * 512)
-        for name in (".", SECRET_NAME, INDUCTOR_DIR, RUNS_DIR):
-            try:
-                total += os.lstat(self.directory / name).st_blocks * 512
-            except (OSError, AttributeError):
-                pass
-        return total
-
-    def _rescan(self) -> None:
-        """Measure the kernel folder and the run logs; drop kernel subfolders that fail the
-        trust rule (Inductor would load them)."""
-        kernels = self.directory / INDUCTOR_DIR
-        try:
-            trust.private_subdir(self.directory, INDUCTOR_DIR, create=not self.read_only)
-        except FileNotFoundError:
-            pass
-        except Untrusted as err:  # a link, or someone else's: never used, made anew
-            self._refused(f"kernels:{kernels}", f"Inductor kernels: {err}; removing it")
-            if not self.read_only:
-                trust.remove_tree(kernels)
-                trust.private_subdir(self.directory, INDUCTOR_DIR)
-        folder = evict.scan(kernels)
-        for name, why in folder.bad.items():
-            self._refused(f"kernels:{kernels}", f"Inductor kernels: {why}; removing "
-                          f"{kernels / name}")
-            if self.read_only:
-                raise Untrusted(f"Inductor kernels in a read-only cache folder: {why}")
-            trust.remove_tree(kernels / name)
-        self._folder = folder
-        self._other_bytes = trust.scan(self.directory / RUNS_DIR)[0]
-        self._scanned_at = time.monotonic()
-
+    # ---- size and earlier formats ---------------------------------------------------------------
     def measure(self) -> int:
         """Walk the folder again and return ``usage()``."""
-        with self._lock:
-            try:
-                self._rescan()
-            except Untrusted:
-                pass
-        return self.usage()
+        return self.size.measure()
 
     def usage(self) -> int:
         """Bytes the folder holds: database, Inductor kernels, run logs (as last measured)."""
-        return self._db_bytes() + self._folder.size() + self._other_bytes
+        return self.size.usage()
 
     def enforce_limit(self, rescan: bool = False, limit: int | None = None) -> int:
-        """Evict least recently used program entries and orphan kernels until the folder fits
-        (Note [cache size]); returns how many were evicted. Never raises."""
-        limit = self.size_limit if limit is None else limit
-        if self.read_only:
-            return 0
-        try:
-            with self._lock:
-                if rescan or time.monotonic() - self._scanned_at > _RESCAN_S:
-                    self._rescan()
-                over = self.usage() - limit
-                if over <= 0:
-                    return 0
-                return self._evict(over)
-        except Exception as err:
-            M.disk_errors += 1
-            _warn_once(f"evict:{type(err).__name__}", "adaptive_eager: could not keep the "
-                       "cache folder within its size limit: %s", err)
-            return 0
+        """Evict until the folder fits (Note [cache size]); how many were evicted. Never raises."""
+        return self.size.enforce(rescan, limit)
 
-    def _evict(self, over: int) -> int:
-        """Whole program entries and orphan kernels, least recently used first (Note [program
-        entries]), then statistics; never what a live process pins (Note [kernel pins])."""
-        kernels = self.directory / INDUCTOR_DIR
-        live, since = pins.live_pins(kernels)
-        keep = set(pins.PINNED_NAMES) if live else {pins.PINS_DIR}
-
-        def protected(unit: evict.Unit) -> bool:
-            return (unit.name.split("/", 1)[0] in keep
-                    or since is not None and unit.mtime >= since)
-
-        programs = self._sql("SELECT key, size, accessed FROM entries "
-                             "WHERE key LIKE 'program:%'")
-        refs: dict[str, set[str]] = {}
-        for program, key in self._sql("SELECT program, key FROM kernels"):
-            refs.setdefault(program, set()).add(key)
-        plan = evict.choose(programs, refs, self._folder.units, protected, over)
-        if plan.programs:  # the rows before their kernels: never an entry without them
-            gone = [(key,) for key in plan.programs]
-            self._transaction([("DELETE FROM entries WHERE key = ?", gone),
-                               ("DELETE FROM kernels WHERE program = ?", gone)])
-        # a program another process stored since the query above may name a kernel too
-        named = {key for (key,) in self._sql("SELECT DISTINCT key FROM kernels")}
-        for unit in plan.units:
-            if unit.key is None or unit.key not in named:
-                evict.remove(kernels, unit)
-                self._folder.units.pop(unit.name, None)
-        evict.remove_empty_dirs(kernels, self._folder, since)
-        if set(refs) - {key for key, _, _ in programs}:  # of programs gone (a cut write)
-            self._sql("DELETE FROM kernels WHERE program NOT IN (SELECT key FROM entries)")
-        n = len(plan.programs) + len(plan.units)
-        over -= plan.freed
-        if over > 0:  # statistics alone over the limit: oldest first
-            for (key, size) in self._sql("SELECT key, size FROM entries "
-                                         "WHERE key NOT LIKE 'program:%' ORDER BY accessed"):
-                if over <= 0:
-                    break
-                self._sql("DELETE FROM entries WHERE key = ?", (key,))
-                over -= size
-                n += 1
-        return n
-
-    # ---- earlier formats --------------------------------------------------------------------
     def _collect_legacy(self) -> None:
-        """Drop the diskcache-format database (pickled values, never loaded) and collect value
-        files nothing indexes: only names diskcache made, never through links."""
-        legacy = self.directory / _LEGACY_DB
-        dropped = 0
-        try:
-            st = os.lstat(legacy)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            try:
-                trust.check_own(legacy, st)
-                conn = sqlite3.connect(f"file:{quote(str(legacy))}?mode=ro", uri=True)
-                try:
-                    dropped = int(conn.execute("SELECT count(*) FROM Cache").fetchone()[0])
-                finally:
-                    conn.close()
-            except Exception:
-                pass
-            for suffix in ("", "-wal", "-shm"):
-                trust.remove_tree(self.directory / (_LEGACY_DB + suffix))
-        files = 0
-        for sub in _listdir(self.directory):
-            if not _LEGACY_SUB.match(sub) or not _plain_dir(self.directory / sub):
-                continue
-            for sub2 in _listdir(self.directory / sub):
-                folder = self.directory / sub / sub2
-                if not _LEGACY_SUB.match(sub2) or not _plain_dir(folder):
-                    continue
-                for name in _listdir(folder):
-                    if _LEGACY_VAL.match(name):
-                        trust.remove_tree(folder / name)  # unlinks links, never follows
-                        files += 1
-                _rmdir(folder)
-            _rmdir(self.directory / sub)
+        dropped, files = legacy.collect(self.directory)
         if dropped or files:
             M.disk_errors += 1
-            _warn_once(f"legacy:{self.directory}", "adaptive_eager: dropped %d cache entries "
-                       "of an earlier format (not loaded) and %d value files in %s",
-                       dropped, files, self.directory)
+            warn_once(f"legacy:{self.directory}", "adaptive_eager: dropped %d cache entries "
+                      "of an earlier format (not loaded) and %d value files in %s",
+                      dropped, files, self.directory)
 
     # ---- the rest of the API ----------------------------------------------------------------------
     def keys(self) -> list[str]:
-        return [k for (k,) in self._sql("SELECT key FROM entries ORDER BY key")
+        return [k for (k,) in self.sql("SELECT key FROM entries ORDER BY key")
                 if isinstance(k, str)]
 
     def raw(self) -> Any:
         return self
 
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             if self._conn is not None:
                 try:
                     self._conn.close()
@@ -746,32 +503,3 @@ def _run_steps(db: sqlite3.Connection, steps: list[tuple[str, tuple | list]],
             except sqlite3.Error:
                 pass
         raise
-
-
-def _writable(path: Path) -> bool:
-    """Whether this process may write ``path`` (effective ids: what opening it would see)."""
-    if os.access in os.supports_effective_ids:
-        return os.access(path, os.W_OK, effective_ids=True)
-    return os.access(path, os.W_OK)
-
-
-def _listdir(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
-
-
-def _plain_dir(path: Path) -> bool:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode)
-
-
-def _rmdir(path: Path) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass

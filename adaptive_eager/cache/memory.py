@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
-from adaptive_eager.dispatch.lazy import METAS_BY_ID
+from adaptive_eager.core.meta import METAS_BY_ID
 from adaptive_eager.dispatch.ambient import root_state
 
 # What an output of a recorded op is: a Meta (new lazy tensor), an int (the positional argument an

@@ -15,12 +15,11 @@ exclusive ``flock`` for as long as the process lives, released by the kernel whe
   kernel file written at or after it is evicted, nor a program whose own kernels are among
   them (Note [program entries] in kernel_refs.py).
 
-The eviction (``DiskCache._evict``) reads the pins: a pin whose ``flock`` it can take belongs to
-a process that is gone, and is removed. A live pin it cannot read (being rewritten) pins
-everything. Precompiled headers are ~150 MB (torch 2.13, g++): a cache folder whose size limit
-is under ``PCH_MIN_LIMIT`` compiles without them (Note [Inductor kernel folder]), so pinning them
-never holds such a folder over its limit.
-"""
+The eviction (``FolderSize.evict`` in limit.py) reads the pins: a pin whose ``flock`` it can take
+belongs to a process that is gone, and is removed. A live pin it cannot read (being rewritten) pins
+everything. Precompiled headers are ~150 MB (torch 2.13, g++): a cache folder whose size limit is
+under ``PCH_MIN_LIMIT`` compiles without them (Note [Inductor kernel folder]), so pinning them never
+holds such a folder over its limit. """
 
 from __future__ import annotations
 

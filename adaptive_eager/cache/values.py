@@ -130,7 +130,7 @@ SYMBOLIC: dict[str, Check] = {  # shapes.py: a learnt symbolic trace, or a dead 
 
 QUARANTINE: dict[str, Check] = {"reason": text(), "when": _MS}
 
-SYMBOLIC_PREFIX = "symdims-"  # shapes._PREFIX: stats entries of symbolic traces
+SYMBOLIC_PREFIX = "symdims-"  # shapes_store.PREFIX: stats entries of symbolic traces
 
 
 def problem(key: str, header: Any, payload_size: int | None = None) -> str | None:
