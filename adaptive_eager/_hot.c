@@ -65,7 +65,7 @@
  * of its ``_ae_real``). It reads what Trace.register reads, with Python-level getters; Python
  * reads them with torch-function modes off, so C numbers nothing while a mode is on the stack
  * during dispatch (``torch._C._is_torch_function_mode_enabled``: the read guard, a user's
- * mode). Metas: C looks the keys up in intern_meta's own dict (``lazy._METAS``); meta_of(t)
+ * mode). Metas: C looks the keys up in intern_meta's own dict (``core.meta._METAS``); meta_of(t)
  * interns the metadata with its storage offset and register the offset-0 one, and both must be
  * interned already, else Python numbers it: C never interns, so mids keep the Python path's
  * order (a fresh-process test compares them). No cache: a tensor's metadata can change in
@@ -86,7 +86,7 @@
 static PyObject *LazyT, *TensorT, *ParamT, *MetaT, *SLOTS, *make_wrapper, *set_bits, *Mobj,
     *NO_KWARGS, *TO_COPY, *fallback, *DEFER, *EngineT;
 static PyObject *TemplateT, *SymTraceT; /* shapes.Template, shapes.SymTrace (NULL: no template steps) */
-/* init_register's: lazy._METAS, torch.strided, TensorBase.untyped_storage,
+/* init_register's: core.meta._METAS, torch.strided, TensorBase.untyped_storage,
  * torch._C._is_torch_function_mode_enabled (METAS NULL: first uses left to Python) */
 static PyObject *METAS, *STRIDED, *storage_fn, *tf_mode_on;
 /* init_register's fifth: outside.ESCAPED ({storage address: tokens}; Note [memory the outside
@@ -1886,7 +1886,7 @@ hot_init(PyObject *Py_UNUSED(module), PyObject *const *av, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
-/* init_register(METAS, strided, untyped_storage, tf_mode_enabled, ESCAPED): lazy._METAS
+/* init_register(METAS, strided, untyped_storage, tf_mode_enabled, ESCAPED): core.meta._METAS
  * (intern_meta's dict, never rebound), torch.strided, torch._C.TensorBase.untyped_storage,
  * torch._C._is_torch_function_mode_enabled and outside.ESCAPED (never rebound): C then numbers
  * first uses of externals itself. */
@@ -2223,7 +2223,7 @@ static PyMethodDef methods[] = {
      "SymTrace]): the engine's objects, once (without shapes' classes template steps are "
      "left to Python)."},
     {"init_register", (PyCFunction)(void (*)(void))hot_init_register, METH_FASTCALL,
-     "init_register(METAS, strided, untyped_storage, tf_mode_enabled, ESCAPED): lazy._METAS, "
+     "init_register(METAS, strided, untyped_storage, tf_mode_enabled, ESCAPED): core.meta._METAS, "
      "torch.strided, TensorBase.untyped_storage, torch._C._is_torch_function_mode_enabled, "
      "outside.ESCAPED; C "
      "then numbers first uses of external tensors as Trace.register does (without it, Python)."},

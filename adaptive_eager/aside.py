@@ -8,24 +8,9 @@ popped from inside their own handlers (torch re-pushes them afterwards), so leav
 next safe point in plain Python: after a module's forward or an optimizer step (a global module
 hook installed only while a step-aside is pending, and the optimizer step hook), ``sync()``, or
 leaving the context. While aside, the rounds (optimizer steps, the outermost modules' calls,
-Note [root ticks], or contexts) are counted and the engine re-enters after ``probe_every`` of
-them (doubled after each probe in vain, Note [probes back off]) to measure again.
-
-Note [measured trial]
-The cost estimate behind stepping aside (Decisions.step_aside_reason) under-counts real models:
-recording an op inside a module's forward or autograd's backward costs several times what the
-calibration loop of tiny adds measures. So once the compile manager has settled (every hot trace
-compiled and decided), the engine runs a trial: rounds alternate between the engine and plain
-eager (E, G, E, G, ...) until each side has ``TRIAL_TICKS`` of them, and the engine stays only if
-the median of the pairs' ratios (engine round / the eager round after it) is under
-``TRIAL_MARGIN``. Timing the two sides in separate phases (8 engine rounds, then 8 eager ones)
-mis-decided on a loaded machine, where load changes over seconds: mid-size Llama kept an engine
-that ran 0.73x eager; alternating rounds see the same load, as Note [paired timing]
-does for keep decisions. A round is the time between two ticks: the ends of optimizer steps,
-or, in programs without an optimizer, the ends of outermost ``nn.Module`` calls, contexts, or
-syncs (Note [syncs are rounds]). A probe after ``probe_every`` rounds aside
-starts the question over, and so does a new keep/drop decision after a verdict for the engine
-(the engine the trial timed is not the engine that runs any more).
+Note [root ticks] in rounds.py, or contexts) are counted and the engine re-enters after
+``probe_every`` of them (doubled after each probe in vain, Note [probes back off]) to measure
+again.
 
 Note [probes back off]
 A probe is not free: it records and replays op by op for PROBE_FLUSHES flushes or more, and its
@@ -79,41 +64,6 @@ node). The wrappers stay while the engine is aside (about 0.3 us per sync, the p
 back); between contexts they are off. Any other kind of round (an optimizer step, an outermost
 module call, a second context) replaces them, and the wrappers come off.
 
-Note [root ticks]
-Outermost module calls are found with global module hooks, and any global module hook sends
-every module call in the process down ``nn.Module._call_impl``'s slow path (the hook loops, a
-closure per call): about 5% of GPT-2's ``generate()`` per token at width 64, all of it paid in
-plain eager while aside, where the engine should cost nothing. So global hooks are kept only
-while the engine is on the mode stack (recording dwarfs them, and they see every new outermost
-module); whenever it is off (aside, waiting, a trial's eager rounds) the ticks come from hooks
-on the few modules that were outermost in recent rounds, the roots, and every other call takes
-the fast path. The global hook that waits for a safe point to step aside (``_AsideHook``)
-comes off once it has acted, too; it used to stay for the rest of the context. Hooks change only
-at the start of an outermost call, in the pre-hook (the depth count must see both ends of a
-call, and a forward hook may be running inside torch's loop over the live hook dict, which
-raises if the dict changes). A root that stops being called while the engine is off (the
-program moved on to another model) ticks no more until a context, an optimizer step or that
-root does; the engine then stays off longer, which costs nothing. The hook objects copy and
-pickle as inert hooks (a copied or saved model keeps no tie to the engine; unpickling one needs
-adaptive_eager importable).
-
-Note [hooks under Dynamo]
-Dynamo traces a module call through ``nn.Module._call_impl``, hooks included, and this package's
-files are on its skip list (Note [compiled regions] in dispatch/regions.py): a call of one of the
-engine's module hooks was a graph break, so ``torch.compile(fn, fullgraph=True)`` of code calling
-a module raised inside a context, and without fullgraph every module call split the graph. A
-disabled hook (``torch._dynamo.disable``) is a graph break too, and ``dont_skip_tracing`` costs
-~15 us per eager call. So every module hook of the engine (the tick hooks, global or on roots, and
-the step-aside hook) is a ``_RootTick``/``_AsideHook`` whose ``__call__`` returns at once when
-this thread traces it (``_traced_here``: Dynamo folds ``is_dynamo_compiling()`` to True; a
-non-strict export runs under a fake mode on this thread; ``is_compiling()`` alone is
-process-wide) and whose
-code carries a file name off the skip list (``_seen_by_dynamo``): Dynamo inlines it to nothing
-and the graph is the one compiled without the engine. Compiled code runs outside the engine
-anyway (Note [compiled regions]), so module calls inside it are no rounds; calls outside tick as
-before, at ~0.2 us more per hook call (measured before ``_traced_here`` added a call). Dynamo guards on how many global hooks there are, not on
-which: a function compiled outside a context compiles once more inside, not once per context.
-
 Note [any call is a safe point]
 A loop inside one context with no module call, no optimizer step and no sync (``tiny_ops`` under
 ``ADAPTIVE_EAGER=1``: 200 tiny ops a step, traces cut only by the cap) had no safe point at all:
@@ -135,43 +85,33 @@ programs keep the other safe points.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from adaptive_eager import collector
-from adaptive_eager.budget import Account
 from adaptive_eager.compile import policy
-from adaptive_eager.compile.policy import _median
 from adaptive_eager.cores import CoreLoan
 from adaptive_eager.dispatch.lazy import LazyTensor, become_real
 from adaptive_eager.metrics import METRICS as M
+from adaptive_eager.rounds import RoundHooks, _RootTick, _traced_here  # noqa: F401
+from adaptive_eager.saving import LearningBudget
+from adaptive_eager.trial import TRIAL_MARGIN, Trial
 
 log = logging.getLogger("adaptive_eager")
+# _RootTick lives in rounds.py; checkpoints pickled before its hooks stayed out of pickles
+# name it as this module's, and still load
 
-TRIAL_TICKS = 8  # rounds timed each way in a trial
-TRIAL_MARGIN = 0.97  # the engine stays only if its median round is at least 3% shorter
-TRIAL_CLEAR_PAIRS = 3  # pairs after which a clear verdict ends a trial (Note [clear trials])
-TRIAL_CLEAR = 2.0  # every pair this many times faster (or slower) one way is a clear verdict
-PROBE_BACKOFF_MAX = 5  # probes in vain double the interval at most this often (Note [probes back off])
-MAX_ROOTS = 4  # outermost modules remembered for ticks while the engine is off (Note [root ticks])
+PROBE_BACKOFF_MAX = 5  # doublings of the probe interval at most (Note [probes back off])
 PROBE_ROUNDS = 200  # a probe that flushed less than PROBE_FLUSHES times ends here too
 SYNC_ROUND = 16  # syncs a round of a program whose rounds are syncs (Note [syncs are rounds])
 SYNC_ROUNDS_AFTER = 64  # flushes with no round of another kind before syncs become rounds
-
-
-GRACE_ROUNDS = 32  # rounds to time a landed program and try it (Note [learning budget])
 
 
 def _distributed() -> Any:
@@ -179,55 +119,11 @@ def _distributed() -> Any:
     from adaptive_eager import distributed
 
     return distributed
-_DYNAMO_FILE = "<adaptive_eager.aside: engine hook>"  # off Dynamo's skip list
-
-
-def _seen_by_dynamo(fn: Any) -> Any:
-    """Give a hook's code a file name Dynamo does not skip, so it inlines the hook (which returns
-    at once while compiling) instead of breaking the graph (Note [hooks under Dynamo])."""
-    fn.__code__ = fn.__code__.replace(co_filename=_DYNAMO_FILE)
-    return fn
-
-
-_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
-_get_mode = torch._C._get_dispatch_mode
-
-
-@_seen_by_dynamo
-def _traced_here() -> bool:
-    """Whether this thread traces the hook's module call (Note [hooks under Dynamo]): Dynamo
-    folds ``is_dynamo_compiling()`` to True (False in eager); torch.export's non-strict
-    tracing runs the module under a fake mode on this thread's stack. ``is_compiling()`` alone
-    is a process-wide flag: a compile or export in another thread would skip this thread's
-    hooks (a call's pre-hook seen and its post-hook not leaves the depth count stuck)."""
-    return torch.compiler.is_dynamo_compiling() or (
-        torch.compiler.is_compiling() and _get_mode(_FAKE_KEY) is not None)
-
-
-# Note [clear trials]
-# A trial times TRIAL_TICKS rounds each way because a small difference (a few percent) needs
-# them to rise above the noise of a shared machine. A large one does not: a fused chain ran 0.02 s
-# a round against eager's 1.27 s, and the trial still ran every second round plain for 16 rounds
-# (more when a new decision started it over), half the steps at eager's speed. So from
-# TRIAL_CLEAR_PAIRS pairs on, a trial ends as soon as every pair so far says the same by at least
-# TRIAL_CLEAR either way; noise that moves a whole paired round by 2x in every pair is not
-# plausible, and the verdict is the one the full trial would reach.
-def clear_ratio(periods: list[float], eager_periods: list[float]) -> float | None:
-    """The median engine/eager ratio of the pairs so far when they all agree clearly, else None."""
-    n = min(len(periods), len(eager_periods))
-    if n < TRIAL_CLEAR_PAIRS:
-        return None
-    ratios = [a / b for a, b in zip(periods[:n], eager_periods[:n]) if b > 0]
-    if len(ratios) < n:
-        return None
-    if max(ratios) * TRIAL_CLEAR <= 1.0 or min(ratios) >= TRIAL_CLEAR:
-        return _median(ratios)
-    return None
 
 
 def trial_verdict(ratio: float) -> str:
-    """The one place a measured trial is decided: "engine" or "eager" (Note [measured trial]).
-    ``ratio`` is the median over paired rounds of engine round / eager round.
+    """The one place a measured trial is decided: "engine" or "eager" (Note [measured trial] in
+    trial.py). ``ratio`` is the median over paired rounds of engine round / eager round.
 
     Decisions are per process (per thread, really: each thread times its own rounds); in a
     distributed job every rank takes the first rank's verdict (Note [ranks agree])."""
@@ -385,51 +281,11 @@ def _profile_point(presence_ref: weakref.ref) -> Any:
     return point
 
 
-class _StepHook:
-    """One optimizer step hook for the whole process, registered once and never removed.
-
-    torch runs the global step hooks while iterating their OrderedDict; registering or removing
-    one from another thread meanwhile (two threads, two engines: one entering or leaving while
-    the other's step runs its hook, which flushes and so lets the other thread run) raised
-    "OrderedDict mutated during iteration" in the stepping thread. Each thread's Presence is
-    looked up here instead (one dict lookup per optimizer step). A presence stays registered
-    between contexts (adding and removing cost about 6 us per context, Note [cheap contexts] in
-    api.py; ``Presence.in_context`` says whether a step counts), weakly: a thread that ends
-    without closing its presence does not keep its engine alive."""
-
-    _by_thread: dict[int, weakref.ref] = {}
-    _registered = False
-    _lock = threading.Lock()
-
-    def __init__(self, thread: int, presence: Any) -> None:
-        self.thread, self.presence = thread, presence
-
-    @classmethod
-    def add(cls, presence: Any) -> _StepHook:
-        with cls._lock:
-            if not cls._registered:
-                register_optimizer_step_post_hook(cls._dispatch)
-                cls._registered = True
-            handle = cls(presence.thread, presence)
-            cls._by_thread[presence.thread] = weakref.ref(presence)
-            return handle
-
-    @classmethod
-    def _dispatch(cls, *args: Any) -> None:
-        ref = cls._by_thread.get(threading.get_ident())
-        presence = ref() if ref is not None else None
-        if presence is not None and presence.in_context:
-            presence._after_step(*args)
-
-    def remove(self) -> None:
-        with _StepHook._lock:
-            ref = _StepHook._by_thread.get(self.thread)
-            if ref is not None and ref() in (self.presence, None):
-                del _StepHook._by_thread[self.thread]
-
-
 class Presence:
-    """Pushes and pops one engine's modes on its own thread."""
+    """Pushes and pops one engine's modes on its own thread, and decides at each round end
+    whether the engine stays on the mode stack. Its collaborators: the hooks that find the
+    round ends (``RoundHooks``, rounds.py), the measured trials (``Trial``, trial.py) and the
+    learning budget (``LearningBudget``, saving.py)."""
 
     def __init__(self, engine: Any, modes: tuple[Any, ...]) -> None:
         self.engine = engine
@@ -439,26 +295,11 @@ class Presence:
         self.pending: str | None = None
         self.aside = False
         self.steps_aside = 0
-        self._hooks: list[Any] = []
-        self._step_hook: Any = None
         self.in_context = False  # between enter() and leave(): optimizer steps count
-        # Note [measured trial]
         self.ticks_from: str | None = None  # "step" once an optimizer has stepped
-        self.trial: str | None = None  # the side being timed: "engine", "eager" or None
-        self.periods: list[float] = []  # engine rounds of the trial
-        self.eager_periods: list[float] = []  # eager rounds, each after an engine round
-        self.last_tick: float | None = None
-        self.verdict: str | None = None  # the last trial's outcome, until a probe reopens it
-        self.verdict_decisions = 0  # the compile manager's decisions when it was given
         self.waiting = False  # aside until the compiles in flight finish (Note [waiting aside])
         self.loan = CoreLoan()  # a core lent to the compile while waiting (Note [compile cores])
-        self._depth = 0
-        self._tick_hooks: list[Any] = []
         self.calls_in_context = 0  # outermost module calls in the current context
-        # Note [root ticks]: id -> weak reference of recent outermost modules
-        self._roots: dict[int, weakref.ref] = {}
-        self._tick_kind: str | None = None  # "global" or "roots" while tick hooks are on
-        self._retick = False  # change the tick hooks' kind at the next outermost call end
         self.contexts = 0  # contexts entered (Note [contexts are rounds])
         self.asides_said = 0
         self.probing = False  # back in the engine for a probe, no verdict yet
@@ -471,23 +312,30 @@ class Presence:
         # Note [quiet contexts]: the next context may only count; probe due at this round
         self.quiet = False
         self.quiet_until = 0
-        # Note [learning budget] in budget.py
-        opts = engine.options
-        self.account = Account(opts.budget / 100.0 if opts.step_aside else 0.0)
-        self._round_on = False  # the engine was on during the round now running
-        self._landing = False  # aside on the budget with a compile in flight (a core lent)
-        self._held = False  # aside on the budget after a stint that held a compile back
-        self._grace = 0  # rounds after a landing in which the account does not send it aside
-        self._held_mark = M.compiles_held  # when the engine last went aside on the budget
-        self.saving = bool(self.account.share) and not engine.compiler.programs.warm \
-            and not _distributed().active()  # aside to stay within the budget
-        if not self.saving:
-            self.account.share = 0.0
-        policy.hold_compiles(self.saving)  # this thread's (a presence is made on its thread)
+        self.hooks = RoundHooks(self)  # Note [root ticks] in rounds.py
+        self.trials = Trial()  # Note [measured trial] in trial.py
+        self.budget = LearningBudget(self, _distributed)  # Note [learning budget] in budget.py
+
+    # ---- the collaborators' state as tests and tools read it ----------------------------------
+    @property
+    def trial(self) -> str | None:  # the side a running trial times, or None
+        return self.trials.side
+
+    @property
+    def verdict(self) -> str | None:  # the last trial's outcome, until a probe reopens it
+        return self.trials.verdict
+
+    @property
+    def _tick_kind(self) -> str | None:  # Note [root ticks] in rounds.py
+        return self.hooks.kind
+
+    @property
+    def _depth(self) -> int:
+        return self.hooks.depth
 
     def activate(self) -> None:
         self.quiet = False
-        self._round_on = True
+        self.budget.round_on = True
         if not self.active:
             for m in self.modes:
                 m.__enter__()
@@ -495,10 +343,11 @@ class Presence:
             opts = self.engine.options
             if opts.gc_headroom:
                 collector.hold(opts.max_trace_ops)  # Note [young collections]
-            if (opts.step_flush or opts.step_aside) and self._step_hook is None:
-                self._step_hook = _StepHook.add(self)
+            hooks = self.hooks
+            if (opts.step_flush or opts.step_aside) and hooks.step is None:
+                hooks.add_step_hook()
             if opts.step_aside and self.ticks_from in (None, "forward", "sync"):
-                self._install_tick_hooks()  # rounds of programs without an optimizer
+                hooks.install_ticks()  # rounds of programs without an optimizer
 
     def deactivate(self) -> None:
         self.quiet = False
@@ -508,13 +357,13 @@ class Presence:
             self.active = False
             if self.engine.options.gc_headroom:
                 collector.release()  # (held while active: a failed exit keeps it held)
-            if self._tick_hooks:
-                self._install_tick_hooks()  # Note [root ticks]: hooks on the roots only
+            if self.hooks.ticks:
+                self.hooks.install_ticks()  # Note [root ticks] in rounds.py: on the roots only
 
     # ---- contexts (Note [contexts are rounds]) --------------------------------------------------
     def wants_modes(self) -> bool:
         """Whether entering a context should push the modes (not while aside or timing eager)."""
-        return not (self.aside or self.waiting or self.saving or self.trial == "eager")
+        return not (self.aside or self.waiting or self.budget.saving or self.trials.side == "eager")
 
     def enter(self) -> None:
         """The outermost context is entered (again): a safe point in plain Python."""
@@ -522,55 +371,57 @@ class Presence:
         self.contexts += 1
         self.in_context = True
         opts = self.engine.options
+        hooks = self.hooks
         ticks = self.ticks_from  # Note [cheap contexts] in api.py: "context" is the common case
         if (ticks is None or ticks == "forward" or ticks == "sync") and self.contexts > 1 \
                 and opts.step_aside and self.calls_in_context <= 1:
-            if ticks is not None and self.trial is not None:
-                self._time_anew()  # rounds change meaning
-            ticks = self._ticks_now("context")
-            self._remove_tick_hooks()
+            ticks = self.rounds_from("context")
+            hooks.remove_ticks()
         self.calls_in_context = 0
         if ticks == "sync" and opts.step_aside:
             _wrap_sync_methods(self, True)  # off between contexts (leave)
-        if not (self.aside or self.waiting or self.saving or self.trial == "eager"):
+        budget = self.budget
+        if not (self.aside or self.waiting or budget.saving or self.trials.side == "eager"):
             self.activate()  # also installs the step hook and, where they are rounds, tick hooks
         else:
-            if (self.waiting or self._landing) and opts.lend_core:
+            if (self.waiting or budget.landing) and opts.lend_core:
                 self.loan.lend()  # Note [compile cores]: again, inside the context only
-            if self._step_hook is None and (opts.step_flush or opts.step_aside):
-                self._step_hook = _StepHook.add(self)  # counts optimizer steps while aside
+            if hooks.step is None and (opts.step_flush or opts.step_aside):
+                hooks.add_step_hook()  # counts optimizer steps while aside
             if (ticks is None or ticks == "forward" or ticks == "sync") and opts.step_aside:
-                self._install_tick_hooks()
+                hooks.install_ticks()
         if self.pending is not None:
-            self._install_hooks()
+            hooks.install_aside_hook()
 
     def leave(self) -> None:
         """The outermost context ends (its trace already flushed): end a round, act on a pending
         step-aside, and take the modes and every global hook off until the next context."""
         try:
             if self.ticks_from == "context":
-                self._round_ended()
+                self.round_ended()
             elif self.pending is not None:
                 self.safe_point()
         finally:
             self.loan.give_back()  # outside the context the program's own thread count
-            self.in_context = False  # the step hook stays registered (see _StepHook)
+            self.in_context = False  # the step hook stays registered (see rounds._StepHook)
             if self._sync_wrapped and self.pending is None:
                 _wrap_sync_methods(self, False)  # sync rounds count inside contexts only
-            if self._tick_hooks:
-                self._remove_tick_hooks()
+            hooks = self.hooks
+            if hooks.ticks:
+                hooks.remove_ticks()
             if self.active:
                 self.deactivate()
-            if self._hooks:
-                self._remove_hooks()
+            if hooks.aside_hook:
+                hooks.remove_aside_hook()
             self._note_quiet()
 
     def _note_quiet(self) -> None:
         """Note [quiet contexts]: whether the next context may only count, until which round."""
-        if (self.aside and self.ticks_from == "context" and self.trial is None
+        hooks = self.hooks
+        if (self.aside and self.ticks_from == "context" and self.trials.side is None
                 and not self.waiting and self.pending is None and not self.active
-                and not self._hooks and not self._tick_hooks and not self._sync_wrapped
-                and self._step_hook is not None
+                and not hooks.aside_hook and not hooks.ticks and not self._sync_wrapped
+                and hooks.step is not None
                 and (self.engine.guard is None or not self.engine.guard.pushed)):
             every = self.probe_interval()
             self.quiet_until = every if every else 1 << 62
@@ -583,15 +434,11 @@ class Presence:
         self._remove_profile_point()
         if self._sync_wrapped:
             _wrap_sync_methods(self, False)
-        self._remove_tick_hooks()
+        self.hooks.remove_ticks()
         self.deactivate()
-        self._remove_hooks()
-        if self.trial is not None:
-            self.trial = None
-            M.trials_running = 0
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        self.hooks.remove_aside_hook()
+        self.trials.stop()
+        self.hooks.remove_step_hook()
 
     # ---- stepping aside -----------------------------------------------------------------------
     def request_aside(self, reason: str) -> None:
@@ -599,7 +446,7 @@ class Presence:
         self.quiet = False
         if self.pending is None and not self.aside:
             self.pending = reason
-            self._install_hooks()
+            self.hooks.install_aside_hook()
             _wrap_sync_methods(self, True)
             self._install_profile_point()
 
@@ -622,10 +469,13 @@ class Presence:
         if self._sync_wrapped and self.ticks_from != "sync":  # Note [syncs are rounds]
             _wrap_sync_methods(self, False)
 
-    def _ticks_now(self, kind: str) -> str:
-        """Rounds come from ``kind`` from now on; sync rounds end (Note [syncs are rounds])."""
+    def rounds_from(self, kind: str) -> str:
+        """Rounds come from ``kind`` from now on: a running trial's rounds so far change meaning,
+        sync rounds end (Note [syncs are rounds])."""
         self.quiet = False
         was, self.ticks_from = self.ticks_from, kind
+        if was is not None and self.trials.side is not None:
+            self.trials.anew()
         if was == "sync" and self.pending is None:
             self._unwrap_sync()
         return kind
@@ -656,7 +506,7 @@ class Presence:
             self._syncs += 1
             if self._syncs >= SYNC_ROUND and self._plain_python_here():
                 self._syncs = 0
-                self._round_ended()  # acts on a pending step-aside too
+                self.round_ended()  # acts on a pending step-aside too
                 return
         if self.pending is None:
             self._unwrap_sync()
@@ -684,8 +534,9 @@ class Presence:
         self.aside = True
         self.steps_aside = 0
         M.step_asides += 1
-        if self._hooks and self._tick_hooks:
-            self._retick = True  # the step-aside hook comes off between calls (Note [root ticks])
+        hooks = self.hooks
+        if hooks.aside_hook and hooks.ticks:  # Note [root ticks] in rounds.py:
+            hooks.retick = True  # the step-aside hook comes off between calls
         if self.probing:  # Note [probes back off]
             self.probing = False
             self.probes_in_vain = min(self.probes_in_vain + 1, PROBE_BACKOFF_MAX)
@@ -704,6 +555,7 @@ class Presence:
         self.probing = False
         self.probes_in_vain = 0
 
+    # ---- round ends ---------------------------------------------------------------------------
     def _after_step(self, *args: Any) -> None:
         """After every optimizer step: end the trace there (one trace per training iteration,
         as torch_xla's mark_step), and drive stepping aside and probing."""
@@ -714,21 +566,22 @@ class Presence:
             self.engine.flush("optimizer_step")
             if args:
                 realize_grads(args[0])
+        hooks = self.hooks
         if self.ticks_from != "step":
-            if self.trial is not None:
-                self._time_anew()  # rounds change meaning
-            self._ticks_now("step")
-            self._remove_tick_hooks()  # optimizer steps are the rounds from now on
-        self._round_ended()
-        if self._hooks and self.pending is None:
-            self._remove_hooks()  # acted on: aside, no module call should take the slow path
+            self.rounds_from("step")
+            hooks.remove_ticks()  # optimizer steps are the rounds from now on
+        self.round_ended()
+        if hooks.aside_hook and self.pending is None:
+            hooks.remove_aside_hook()  # acted on: aside, no module call should take the slow path
 
-    def _round_ended(self) -> None:
-        """At a tick, in plain Python on the engine's thread (Note [measured trial])."""
+    def round_ended(self) -> None:
+        """At a tick, in plain Python on the engine's thread (Note [measured trial] in
+        trial.py)."""
         self.quiet = False
-        if self.account.share and self._spend():
+        budget = self.budget
+        if budget.account.share and budget.round_ended(time.perf_counter()):
             return
-        if self.trial is not None:
+        if self.trials.side is not None:
             self._time_round()
         elif self.waiting:
             # compiling() takes locks (~3 us a round): asked only once the process-wide count
@@ -748,7 +601,7 @@ class Presence:
                 self.aside = False
                 self.probing = True
                 self.probe_rounds = 0
-                self.verdict = None
+                self.trials.verdict = None
                 self.engine.compiler.new_probe()
                 self.activate()
                 log.info("adaptive_eager: probing again after %d rounds aside", every)
@@ -764,7 +617,7 @@ class Presence:
             self.steps_aside = 0
             M.compile_waits += 1
             log.info("adaptive_eager: plain eager while compiling")
-        elif self.probing and self.trial is None and self.pending is None and self.active:
+        elif self.probing and self.trials.side is None and self.pending is None and self.active:
             self.probe_rounds += 1
             compiler = self.engine.compiler
             if (self.probe_rounds >= PROBE_ROUNDS and compiler.probe_start is not None
@@ -775,78 +628,16 @@ class Presence:
         else:
             self.safe_point()
 
-    # ---- the learning budget (Note [learning budget] in budget.py) ---------------------------
-    def _spend(self) -> bool:
-        """At a round end: account the round that ended (Note [learning budget] in budget.py);
-        True if the budget took this round end (aside on it, or coming back from it)."""
-        now = time.perf_counter()
-        acc = self.account
-        acc.round_ended(now, self.ticks_from,
-                        self._round_on or self.active or self.waiting or M.compiles_pending > 0)
-        self._round_on = self.active
-        if self.trial is not None or self.aside or self.probing or self.verdict == "engine":
-            return False
-        if self.saving:
-            M.budget_rounds += 1
-            if not self._landing and now < acc.due:
-                return True  # the common round aside: nothing to pay for yet
-        if acc.base is None:
-            return self.saving  # no eager round measured yet: nothing to weigh against
-        if _distributed().active():  # Note [ranks agree]: no account in a distributed job
-            acc.share = 0.0
-            policy.hold_compiles(False)
-            if self.saving:
-                self._come_back("a distributed job")
-            return False
-        spent, allowance = acc.spent(), acc.allowance(now)
-        policy.hold_compiles(spent + policy.compile_cost() > allowance)
-        if self.saving:
-            if self._landing and (not M.compiles_pending or (M.budget_rounds & 15) == 0) \
-                    and not self.engine.compiler.compiling():
-                self._grace = GRACE_ROUNDS
-                self._come_back("a program landed")
-            elif acc.affords_a_round(now, policy.compile_cost() if self._held else 0.0):
-                self._come_back(f"{spent * 1e3:.1f} ms spent of {allowance * 1e3:.1f} allowed")
-            return True
-        if self.waiting:
-            self._grace = GRACE_ROUNDS  # counted down from the compile's landing
-            return False
-        if self._grace:  # a program that landed is timed (and tried) before the account speaks
-            self._grace -= 1
-            return False
-        if spent > allowance and self.active and self.pending is None:
-            self.engine.flush("budget")
-            self.deactivate()
-            self.saving = True
-            # Note [compile cores]: a compile in flight stalls a full OpenMP team even at the
-            # lowest priority (2.6 s of eager's became 11 s): the core is lent while aside too
-            self._landing = M.compiles_pending > 0
-            if self._landing and self.engine.options.lend_core:
-                self.loan.lend()
-            # a compile held in this stint: come back when it is affordable too
-            self._held, self._held_mark = M.compiles_held != self._held_mark, M.compiles_held
-            M.budget_asides += 1
-            log.info("adaptive_eager: plain eager within the learning budget (%.1f ms spent "
-                     "beyond eager's, %.1f ms allowed)", spent * 1e3, allowance * 1e3)
-            return True
-        return False
-
-    def _come_back(self, why: str) -> None:
-        self.saving = False
-        self._landing = False
-        self.loan.give_back()
-        self.activate()
-        log.info("adaptive_eager: in the engine again (learning budget: %s)", why)
-
-    # ---- the measured trial (Note [measured trial]) -------------------------------------------
+    # ---- the measured trial (Note [measured trial] in trial.py) --------------------------------
     def start_trial(self) -> None:
         """Called after a flush once the compile manager has settled."""
         self.quiet = False
-        if self.verdict == "engine" and self.trial is None:
+        trials = self.trials
+        if trials.verdict == "engine" and trials.side is None:
             decisions = len(self.engine.compiler.decided)
-            if decisions != self.verdict_decisions:  # Note [measured trial]: time it again
-                self.verdict = None
-        if (self.trial is not None or self.verdict is not None or self.aside
+            if decisions != trials.verdict_decisions:  # a new decision: time it again
+                trials.verdict = None
+        if (trials.side is not None or trials.verdict is not None or self.aside
                 or self.pending is not None or not self.active):
             return
         if _distributed().active():
@@ -854,268 +645,38 @@ class Presence:
             # so a trial would run fused rounds on one replica while another runs eager ones
             # (bitwise different arithmetic: DDP replicas diverged in 1 of 5 runs). A job
             # steps aside only on the agreed estimate, at the same flush on every rank.
-            self.verdict = "engine"
-            self.verdict_decisions = len(self.engine.compiler.decided)
+            trials.for_engine(len(self.engine.compiler.decided))
             self._engine_gains()
             return
-        self.trial = "engine"
-        self._time_anew()
-
-    def _time_anew(self) -> None:
-        self.periods, self.eager_periods, self.last_tick = [], [], None
+        trials.side = "engine"
+        trials.anew()
 
     def _time_round(self) -> None:
-        """At a tick during a trial: note the round that ended, switch sides (Note [measured
-        trial])."""
-        now = time.perf_counter()
-        if self.last_tick is None and not self.periods and not self.eager_periods \
-                and not M.trials_running:
-            M.trials += 1  # counted from the first tick: a program without rounds has no trial
-            M.trials_running = 1
-        if self.last_tick is not None:
-            (self.periods if self.trial == "engine" else self.eager_periods).append(
-                now - self.last_tick)
-            if (len(self.periods) >= TRIAL_TICKS and len(self.eager_periods) >= TRIAL_TICKS) or (
-                    self.trial == "eager"
-                    and clear_ratio(self.periods, self.eager_periods) is not None):
-                self._decide_trial()  # Note [clear trials]: a clear verdict ends it early
-                return
-            if self.trial == "engine":
+        """At a tick during a trial: note the round that ended, switch sides."""
+        trials = self.trials
+        if trials.note_round(time.perf_counter()):
+            self._decide_trial()
+            return
+        if trials.last_tick is not None:  # not the trial's first tick
+            if trials.side == "engine":
                 self.engine.flush("trial")
                 self.deactivate()
-                self.trial = "eager"
+                trials.side = "eager"
             else:
-                self.trial = "engine"
+                trials.side = "engine"
                 self.activate()
-        self.last_tick = time.perf_counter()
+        trials.last_tick = time.perf_counter()
 
     def _decide_trial(self) -> None:
-        engine, eager = _median(self.periods), _median(self.eager_periods)
-        ratios = [a / b for a, b in zip(self.periods, self.eager_periods) if b > 0]
-        ratio = _median(ratios) if ratios else float("inf")
-        self._time_anew()
-        self.trial = None
-        M.trials_running = 0
-        detail = (f"median round {engine * 1e3:.3f} ms under the engine, {eager * 1e3:.3f} ms "
-                  f"in plain eager, {ratio:.3f}x eager's time over alternating rounds")
+        ratio, detail = self.trials.end()
         if trial_verdict(ratio) == "engine":
-            self.verdict = "engine"
-            self.verdict_decisions = len(self.engine.compiler.decided)
+            self.trials.for_engine(len(self.engine.compiler.decided))
             self._engine_gains()
             self.activate()
             log.info("adaptive_eager: trial: staying in the engine (%s)", detail)
         else:
-            self.verdict = "eager"
+            self.trials.verdict = "eager"
             self._go_aside(f"trial: {detail}")
-
-    def _before_call(self, module: Any, inputs: Any) -> None:
-        # a module the engine's own program calls while flushing is no round of the user's
-        if threading.get_ident() == self.thread and not self.engine.flushing:
-            if self._retick and self._depth == 0:  # Note [root ticks]: between outermost calls
-                if self._hooks and self.pending is None:
-                    self._remove_hooks()  # the step-aside hook has done its work
-                ref = self._roots.get(id(module))
-                if not self._put_tick_hooks() and (ref is None or ref() is not module):
-                    return  # no hook of the new kind will see this call end
-            self._depth += 1
-
-    def _after_call(self, module: Any, inputs: Any, output: Any) -> None:
-        if threading.get_ident() != self.thread or self.engine.flushing:
-            return
-        if self._depth <= 0:  # hooks installed mid-call: this call was never counted
-            return
-        self._depth -= 1
-        if self._depth == 0 and self.ticks_from in (None, "forward", "sync"):
-            if self.ticks_from == "sync":
-                if self.trial is not None:
-                    self._time_anew()  # rounds change meaning
-                self._ticks_now("forward")
-            self.ticks_from = "forward"
-            self.calls_in_context += 1
-            roots = self._roots
-            ref = roots.get(id(module))
-            if ref is None or ref() is not module:  # Note [root ticks]
-                roots.pop(id(module), None)
-                if len(roots) >= MAX_ROOTS:
-                    del roots[next(iter(roots))]
-                roots[id(module)] = weakref.ref(module)
-            self._round_ended()
-
-    def _live_roots(self) -> list[Any]:
-        """The roots to tick on while the engine is off; none (global hooks) while it is on."""
-        if self.active:
-            return []
-        return [m for m in (r() for r in self._roots.values()) if m is not None]
-
-    def _install_tick_hooks(self) -> None:
-        """Tick hooks of the kind the engine's state wants (Note [root ticks]). Installed ones
-        change kind at the start of the next outermost call (``_before_call``): never from a
-        forward hook, whose caller may be iterating the very dict (torch's exception path)."""
-        self.quiet = False
-        if self._tick_hooks:
-            self._retick = ("roots" if self._live_roots() else "global") != self._tick_kind
-            return
-        self._put_tick_hooks()
-
-    def _put_tick_hooks(self) -> bool:
-        """Replace the tick hooks by the wanted kind; True if they are global."""
-        roots = self._live_roots()
-        kind = "roots" if roots else "global"
-        self._remove_tick_hooks()
-        self._depth = 0
-        if kind == "roots":
-            _hide_ticks_from_torchscript()
-            _hide_ticks_from_pickles()
-            try:
-                before, after = _RootTick(self, False), _RootTick(self, True)
-                for m in roots:
-                    self._tick_hooks.append(m.register_forward_pre_hook(before))
-                    self._tick_hooks.append(m.register_forward_hook(after, always_call=True))
-            except Exception:  # a module that takes no hooks (TorchScript): global ones
-                self._remove_tick_hooks()
-                kind = "global"
-        if kind == "global":
-            self._tick_hooks = [  # Note [hooks under Dynamo]: not bound methods
-                register_module_forward_pre_hook(_RootTick(self, False)),
-                register_module_forward_hook(_RootTick(self, True), always_call=True)]
-        self._tick_kind = kind
-        return kind == "global"
-
-    def _remove_tick_hooks(self) -> None:
-        for h in self._tick_hooks:
-            h.remove()
-        self._tick_hooks = []
-        self._tick_kind = None
-        self._retick = False
-
-    def _install_hooks(self) -> None:
-        self.quiet = False
-        if not self._hooks:
-            self._hooks = [register_module_forward_hook(_AsideHook(self))]
-            if self._step_hook is None:
-                self._step_hook = _StepHook.add(self)
-
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-
-@contextlib.contextmanager
-def hooks_hidden(dicts: tuple[dict, ...], ours: Any) -> Iterator[None]:
-    """Take the hooks ``ours(hook)`` selects out of these hook dicts for the block and put them
-    back under their own handles (a tracer that cannot handle the engine's hooks: TorchScript,
-    strict torch.export); they come back at the end of each dict."""
-    saved = []
-    for d in dicts:
-        taken = {k: h for k, h in d.items() if ours(h)}
-        for k in taken:
-            del d[k]
-        saved.append((d, taken))
-    try:
-        yield
-    finally:
-        for d, taken in saved:
-            d.update(taken)
-
-
-def _hide_ticks_from_torchscript() -> None:
-    """``torch.jit.script`` compiles every hook on the module it scripts (``get_hook_stubs``):
-    a root's tick hooks are not scriptable and are no part of the user's model (Note [root
-    ticks]), so they are left out while it looks; a user's own hooks are scripted as in eager."""
-    from torch.jit import _recursive
-
-    orig = _recursive.get_hook_stubs
-    if getattr(orig, "_ae_wrapped", False):
-        return
-
-    def get_hook_stubs(nn_module: Any) -> Any:
-        with hooks_hidden((nn_module._forward_hooks, nn_module._forward_pre_hooks),
-                          lambda h: type(h) is _RootTick):
-            return orig(nn_module)
-
-    get_hook_stubs._ae_wrapped = True  # type: ignore[attr-defined]
-    _recursive.get_hook_stubs = get_hook_stubs
-
-
-_TICK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
-_TICK_EXTRAS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                "_forward_pre_hooks_with_kwargs")
-
-
-def _hide_ticks_from_pickles() -> None:
-    """A root's tick hooks are the engine's, not the model's (Note [root ticks]): ``torch.save``
-    of the module, ``pickle`` and ``copy.deepcopy`` leave them out (``Module.__getstate__``),
-    so a checkpoint written under the engine loads where the engine is absent, and under
-    ``torch.load(weights_only=True)``'s allow-list of globals."""
-    orig = torch.nn.Module.__getstate__
-    if getattr(orig, "_ae_wrapped", False):
-        return
-
-    @functools.wraps(orig)
-    def __getstate__(self: torch.nn.Module) -> Any:
-        state = orig(self)
-        for name in _TICK_DICTS:
-            hooks = state.get(name)
-            if not hooks or not any(type(h) is _RootTick for h in hooks.values()):
-                continue
-            ours = {k for k, h in hooks.items() if type(h) is _RootTick}
-            state[name] = type(hooks)((k, h) for k, h in hooks.items() if k not in ours)
-            for extra in _TICK_EXTRAS:  # the hooks' flags, keyed by the same handle ids
-                flags = state.get(extra)
-                if flags and not ours.isdisjoint(flags):
-                    state[extra] = type(flags)((k, v) for k, v in flags.items() if k not in ours)
-        return state
-
-    __getstate__._ae_wrapped = True  # type: ignore[attr-defined]
-    torch.nn.Module.__getstate__ = __getstate__  # type: ignore[method-assign]
-
-
-class _RootTick:
-    """A tick hook, on one root module (Note [root ticks]) or global. It holds its presence
-    weakly (the user's module must not keep the engine alive), copies and pickles as an inert
-    hook, and is nothing to Dynamo (Note [hooks under Dynamo])."""
-
-    __slots__ = ("presence", "after")
-
-    def __init__(self, presence: Presence | None, after: bool) -> None:
-        self.presence = weakref.ref(presence) if presence is not None else None
-        self.after = after
-
-    @_seen_by_dynamo
-    def __call__(self, module: Any, args: Any, *output: Any) -> None:
-        if _traced_here():  # folded by Dynamo: the hook traces to nothing
-            return
-        presence = self.presence() if self.presence is not None else None
-        if presence is not None:
-            if self.after:
-                presence._after_call(module, args, None)
-            else:
-                presence._before_call(module, args)
-
-    def __deepcopy__(self, memo: dict) -> _RootTick:
-        return _RootTick(None, self.after)
-
-    def __reduce__(self) -> tuple:
-        return (_RootTick, (None, self.after))
-
-
-class _AsideHook:
-    """The global forward hook that waits for a safe point to step aside (Note [stepping
-    aside]); nothing to Dynamo, like the tick hooks (Note [hooks under Dynamo])."""
-
-    __slots__ = ("presence",)
-
-    def __init__(self, presence: Presence) -> None:
-        self.presence = weakref.ref(presence)
-
-    @_seen_by_dynamo
-    def __call__(self, module: Any, args: Any, output: Any) -> None:
-        if _traced_here():
-            return
-        presence = self.presence()
-        if presence is not None and presence.pending is not None:
-            presence.safe_point()
 
 
 def realize_grads(optimizer: Any) -> None:

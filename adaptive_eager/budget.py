@@ -49,7 +49,7 @@ A program that lands is the point of all that spending, but the compile's rounds
 program had used the allowance: the `chain` run sent its compile, got its program, ran it once
 and went aside on the account before it was timed. So for GRACE_ROUNDS rounds after a landing
 the account does not send the engine aside: the program is timed against op by op, and the
-measured trial (Note [measured trial] in aside.py) that follows decides, with no account after a
+measured trial (Note [measured trial] in trial.py) that follows decides, with no account after a
 verdict for the engine.
 
 The first round in the engine is the dearest: every op is new (its metadata computed, its first

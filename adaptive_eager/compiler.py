@@ -36,6 +36,7 @@ from adaptive_eager.compile_process import (HELPER, CompileFailed, HelperFailed,
 from adaptive_eager import service as service_mod
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.program_key import program_key  # Note [program key]
+from adaptive_eager.symbolic_plan import Unfusable
 from adaptive_eager.trace import Trace
 
 log = logging.getLogger("adaptive_eager")
@@ -152,7 +153,7 @@ class CompileManager:
         return self.decisions.step_aside_reason()
 
     def settled(self) -> bool:
-        """Every hot trace compiled and decided (Note [measured trial] in aside.py)."""
+        """Every hot trace compiled and decided (Note [measured trial] in trial.py)."""
         return self.decisions.settled()
 
     def new_probe(self) -> None:
@@ -233,7 +234,8 @@ class CompileManager:
             return None
         if not entry.disk_checked:
             entry.disk_checked = True
-            # a symbolic trace's program is loaded too (Note [symbolic programs] in graph.py)
+            # a symbolic trace's program is loaded too
+            # (Note [symbolic programs] in symbolic_plan.py)
             if self._from_disk(entry, trace, live):
                 return None
         if self.decisions.is_hot(entry) and entry.state == "new":
@@ -248,7 +250,7 @@ class CompileManager:
         """Start compiling: in the helper (via the worker), or return what the flushing thread
         compiles here (Note [in-process compiles])."""
         try:
-            if entry.sym is not None:  # Note [symbolic programs] in graph.py
+            if entry.sym is not None:  # Note [symbolic programs] in symbolic_plan.py
                 g = graph_mod.build(trace, live, entry.varying, template=trace.sym)
             else:
                 g = graph_mod.build(trace, live, entry.varying)
@@ -371,7 +373,7 @@ class CompileManager:
                 M.sym_specialized += 1  # Note [specializing kernels] in backends/inductor.py
         # A trace the graph builder declines (Unfusable: an LSTM kernel, a conj view) is a known
         # limit, not a fault: said at INFO (and in the report's decisions), not as a warning.
-        level = logging.INFO if isinstance(err, graph_mod.Unfusable) else logging.WARNING
+        level = logging.INFO if isinstance(err, Unfusable) else logging.WARNING
         if kind not in self._logged:
             self._logged.add(kind)
             log.log(level, "adaptive_eager: %s of trace %s failed (%s: %s); it runs op by op%s",

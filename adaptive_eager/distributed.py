@@ -21,7 +21,7 @@ in the environment, or an initialized default process group of more than one ran
   ``store.compare_set(topic, "", mine)``, and the store keeps the first proposal. Every rank gets
   that first answer back. The topic names the decision by what all ranks share: the trace digest
   and its run count (or the flush count).
-- No measured trial (Note [measured trial] in aside.py): a trial starts once a rank's compile
+- No measured trial (Note [measured trial] in trial.py): a trial starts once a rank's compile
   manager has settled, which each rank reaches at its own step, and then alternates fused and
   eager rounds, so the replicas ran different arithmetic at the same step (1 of 5 fused 2-rank
   DDP runs diverged). A job steps aside only on the agreed estimate, at one flush count.

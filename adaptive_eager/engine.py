@@ -19,9 +19,9 @@ import torch
 from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
 from adaptive_eager.config import Options
+from adaptive_eager.core.meta import CONJ, NEG, Meta, intern_meta, meta_of
 from adaptive_eager.dispatch.lazy import (
-    CONJ, NEG, LazyTensor, Meta, ValueUnavailable, intern_meta, materialize, meta_of, _set_bits,
-    rebind_aliases, resolve_all,
+    LazyTensor, ValueUnavailable, materialize, _set_bits, rebind_aliases, resolve_all,
 )
 from adaptive_eager.dispatch.opspec import GRAD_MODE, INPLACE_VIEW, RANDOM, OpSpec
 from adaptive_eager.explain import explain_miss, note_flush_site, user_frame
@@ -31,9 +31,10 @@ from adaptive_eager.fused import run_fused
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import SLOTS, Trace, Unsupported, _storage, loop_period, slot_marker
-from adaptive_eager.shapes import _MISSING as _SYM_MISS, configure as configure_shapes
+from adaptive_eager.shapes import configure as configure_shapes
 from adaptive_eager.shapes import note_hit as sym_note_hit, predict as sym_predict
 from adaptive_eager.shapes import replay_checked, step as sym_step
+from adaptive_eager.shapes_keys import MISSING as _SYM_MISS
 
 log = logging.getLogger("adaptive_eager")
 
@@ -638,7 +639,7 @@ class Engine:
             if reason is not None:
                 self.presence.request_aside(reason)
             elif self.compiler.settled():
-                self.presence.start_trial()  # Note [measured trial] in aside.py
+                self.presence.start_trial()  # Note [measured trial] in trial.py
         except Exception as err:  # bookkeeping must never fail the user's program
             self._internal_fault(err, "step_aside")
 

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from adaptive_eager.dispatch.lazy import LazyTensor, become_real, meta_of
+from adaptive_eager.core.meta import meta_of
+from adaptive_eager.dispatch.lazy import LazyTensor, become_real
 from adaptive_eager.trace import Slot, Trace
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from adaptive_eager.dispatch.lazy import METAS_BY_ID
+from adaptive_eager.core.meta import METAS_BY_ID
 from adaptive_eager.events import RUN_LOG
 from adaptive_eager.metrics import METRICS
 

@@ -18,7 +18,7 @@ import torch
 from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import TraceEntry
 from adaptive_eager.compiler import run_size
-from adaptive_eager.dispatch.lazy import meta_of
+from adaptive_eager.core.meta import meta_of
 from adaptive_eager.execute import ReplayGuard, replay
 from adaptive_eager.graph import ext_reals
 from adaptive_eager.metrics import METRICS as M

@@ -56,7 +56,7 @@ class Metrics:
         self.kept_replay = 0  # decisions: fused not faster, trace stays op by op
         self.step_asides = 0  # times the engine left the mode stack because nothing gained
         self.budget_asides = 0  # times the engine ran plain to stay in its learning budget
-        self.budget_rounds = 0  # ... rounds it ran so (Note [learning budget], aside.py)
+        self.budget_rounds = 0  # ... rounds it ran so (Note [learning budget], saving.py)
         self.compiles_held = 0  # hot runs whose compile the learning budget held back
         self.trials = 0  # measured trials: rounds timed under the engine, then in plain eager
         self.trials_running = 0  # 1 while a trial is timing rounds (benchmarks wait for it)

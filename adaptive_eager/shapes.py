@@ -22,6 +22,7 @@ coefficients, confirmed by one observation more than it has coefficients. Positi
 changed stay static, even where they equal ``s`` once. Observations with ``s`` in {0, 1} are
 never used (broadcasting and contiguity rules change there). Cost: a pass over the pool per
 observation, on the cold path only (an eager metadata run, a new trace).
+The keys and outputs are walked, and their patterns matched, in shapes_keys.py.
 
 Single ops (``Family``, ``predict``). The metadata cache learns per skeleton of its keys (op,
 input metadata, int arguments): a fitted family predicts the outputs of the next size, so after
@@ -56,11 +57,11 @@ kernels disagree for some ops, DESIGN trap 14), and needs no symbolic run of the
 µs per op on fake tensors, once per template). It knows only what it saw: piecewise behaviour
 outside the observed sizes is caught by the check above, not predicted.
 
-Persistence. A template is stored in the disk cache (a ``stats:symdims-...`` entry: JSON under the
-cache's HMAC like every value, Note [cache values are data, verified first]; op names, dtypes and
-sizes, nothing executable) keyed by its anchor's digest; the next process attaches it when that
-trie node is made, and checks each ``s`` again. Families are not stored (a loaded template
-needs none).
+Persistence (the encoding: shapes_store.py). A template is stored in the disk cache (a
+``stats:symdims-...`` entry: JSON under the cache's HMAC like every value,
+Note [cache values are data, verified first]; op names, dtypes and sizes, nothing executable)
+keyed by its anchor's digest; the next process attaches it when that trie node is made, and
+checks each ``s`` again. Families are not stored (a loaded template needs none).
 """
 
 from __future__ import annotations
@@ -72,154 +73,25 @@ import torch
 import xxhash
 
 from adaptive_eager.cache import memory
+from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 from adaptive_eager.cache.memory import TRIE, TraceEntry, TrieNode, stable_repr
-from adaptive_eager.dispatch.lazy import METAS_BY_ID, Meta, intern_meta, meta_of
+from adaptive_eager.core.meta import Meta, meta_of
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.sizefit import (MIN_OBS, ExtPat, Poly, arg_kinds, leaf_match, search_fit,
-                                    slope_fits)
+from adaptive_eager.shapes_keys import (
+    HOLE, MISSING, canon_key, eval_out, instantiate, key_skel, match_part, out_skel, storable_out,
+    walk_key, walk_mkey, walk_out,
+)
+from adaptive_eager.shapes_store import (PREFIX, NotStorable, decode_steps, disk_name,
+                                         encode_steps)
+from adaptive_eager.sizefit import MIN_OBS, ExtPat, Poly, search_fit, slope_fits
 
 log = logging.getLogger("adaptive_eager")
 
 _GROUP_MAX = 8  # observations kept per skeleton
-_MISSING = object()
 _DisableDispatch = torch._C._DisableTorchDispatch
 _DisableFunction = torch._C.DisableTorchFunction
 
 ENABLED = True
-
-
-class _Hole:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "?"
-
-
-HOLE = _Hole()
-
-
-class OutPat:
-    """An output's metadata with fitted sizes, strides and offset."""
-
-    __slots__ = ("size", "stride", "offset", "dtype", "device", "bits", "memo")
-
-    def __init__(self, size: tuple, stride: tuple, offset: Any, dtype: torch.dtype,
-                 device: torch.device, bits: int) -> None:
-        self.size, self.stride, self.offset = size, stride, offset
-        self.dtype, self.device, self.bits = dtype, device, bits
-        self.memo: dict[int, Meta | None] = {}  # s -> metadata (sizes recur)
-
-    def eval(self, s: int) -> Meta | None:
-        got = self.memo.get(s, _MISSING)
-        if got is _MISSING:
-            got = self._eval(s)
-            if len(self.memo) < 4096:
-                self.memo[s] = got
-        return got  # type: ignore[return-value]
-
-    def _eval(self, s: int) -> Meta | None:
-        size = _eval_all(self.size, s)
-        stride = _eval_all(self.stride, s)
-        off = self.offset(s) if type(self.offset) is Poly else self.offset
-        if size is None or stride is None or off is None or off < 0 or min(size, default=0) < 0:
-            return None
-        return intern_meta(size, stride, off, self.dtype, self.device, self.bits)
-
-
-def _eval_all(parts: tuple, s: int) -> tuple | None:
-    out = []
-    for p in parts:
-        if type(p) is Poly:
-            p = p(s)
-            if p is None:
-                return None
-        out.append(p)
-    return tuple(out)
-
-
-def _match(t: Any, c: Any, st: list) -> bool:
-    """Whether a concrete key part ``c`` fits a template part ``t`` (binding s on first use)."""
-    tt = type(t)
-    if tt is Poly:
-        return leaf_match(t, c, st)
-    if tt is ExtPat:
-        if type(c) is not int or not 0 <= c < len(METAS_BY_ID):
-            return False
-        return t.match(METAS_BY_ID[c], st)
-    if tt is tuple:
-        if type(c) is not tuple or len(c) != len(t):
-            return False
-        for a, b in zip(t, c):
-            if a is not b and not _match(a, b, st):
-                return False
-        return True
-    return tt is type(c) and t == c
-
-
-# ---- key walking: which ints of a key or an output may be fitted --------------------------
-def _walk_key(key: tuple, emit: Any) -> tuple:
-    """The key with every fittable int replaced by ``emit(value)``; externals by ExtPat."""
-    spec = key[0]
-    pos, kw = arg_kinds(spec)
-    out: list[Any] = [spec]
-    i, p, n = 1, 0, len(key)
-    while i < n:
-        part = key[i]
-        if type(part) is str and part in kw and i + 1 < n:
-            out.append(part)
-            out.append(_walk(key[i + 1], kw[part], emit))
-            i += 2
-            continue
-        out.append(_walk(part, p < len(pos) and pos[p], emit))
-        p += 1
-        i += 1
-    return tuple(out)
-
-
-def _walk(part: Any, tensor: bool, emit: Any) -> Any:
-    t = type(part)
-    if t is int:
-        return part if tensor else emit(part)  # a slot or external reference, or an int
-    if t is tuple:
-        if len(part) == 3 and part[0] == "x" and type(part[1]) is int:
-            m = METAS_BY_ID[part[1]]
-            pat = ExtPat(tuple(emit(v) for v in m.size), tuple(emit(v) for v in m.stride),
-                         m.dtype, m.device, m.bits)
-            return ("x", pat, part[2])
-        if len(part) == 2 and part[0] is int:
-            return (int, emit(part[1]))
-        if len(part) == 2 and isinstance(part[0], type):
-            return part  # (float, v), (bool, v): structural constants
-        return tuple(_walk(x, True, emit) for x in part)  # lists: bare ints are slots
-    return part
-
-
-def _walk_out(out: Any, emit: Any) -> Any:
-    t = type(out)
-    if t is Meta:
-        return OutPat(tuple(emit(v) for v in out.size), tuple(emit(v) for v in out.stride),
-                      emit(out.offset), out.dtype, out.device, out.bits)
-    if t is tuple or t is list:
-        return t(_walk_out(o, emit) for o in out)
-    return out  # an int (in-place op returns its argument) or None
-
-
-def _out_skel(out: Any) -> Any:
-    t = type(out)
-    if t is OutPat:
-        return ("M", len(out.size), out.dtype, out.device, out.bits)
-    if t is tuple or t is list:
-        return (t, tuple(_out_skel(o) for o in out))
-    return out
-
-
-def _key_skel(k: Any) -> Any:
-    t = type(k)
-    if t is ExtPat:
-        return ("X", len(k.size), k.dtype, k.device, k.bits)
-    if t is tuple:
-        return tuple(_key_skel(x) for x in k)
-    return k
 
 
 def _path(node: TrieNode) -> list[TrieNode]:
@@ -247,11 +119,11 @@ class _Obs:
         for node in self.nodes:
             kv: list[int] = []
             ov: list[int] = []
-            ks = _walk_key(node.key, lambda v: kv.append(v) or HOLE)  # type: ignore[arg-type]
-            os_ = _walk_out(node.out, lambda v: ov.append(v) or HOLE)
+            ks = walk_key(node.key, lambda v: kv.append(v) or HOLE)  # type: ignore[arg-type]
+            os_ = walk_out(node.out, lambda v: ov.append(v) or HOLE)
             self.kvals.append(kv)
             self.ovals.append(ov)
-            skel.append((_key_skel(ks), _out_skel(os_)))
+            skel.append((key_skel(ks), out_skel(os_)))
         self.skel = (id(root), tuple(skel))
 
 
@@ -299,27 +171,10 @@ def _steps_from(obs: list[_Obs], d: int, fits_k: list[list], fits_o: list[list])
         oit = iter(fits_o[i])
         ksym = any(type(f) is Poly for f in fits_k[i])
         osym = any(type(f) is Poly for f in fits_o[i])
-        key = _canon_key(_walk_key(node.key, lambda v: next(kit))) if ksym else node.key
-        out = _walk_out(node.out, lambda v: next(oit)) if osym else node.out
+        key = canon_key(walk_key(node.key, lambda v: next(kit))) if ksym else node.key
+        out = walk_out(node.out, lambda v: next(oit)) if osym else node.out
         steps.append((key, ksym, out, osym))
     return steps
-
-
-def _canon_key(key: tuple) -> tuple:
-    """Externals whose metadata did not vary go back to their plain ('x', meta id, g) form."""
-    return tuple(_canon(p) for p in key)
-
-
-def _canon(p: Any) -> Any:
-    if type(p) is tuple:
-        if len(p) == 3 and p[0] == "x" and type(p[1]) is ExtPat:
-            pat = p[1]
-            if not any(type(v) is Poly for v in (*pat.size, *pat.stride)):
-                return ("x", intern_meta(pat.size, pat.stride, 0, pat.dtype, pat.device,
-                                         pat.bits).mid, p[2])
-            return p
-        return tuple(_canon(x) for x in p)
-    return p
 
 
 # ---- learning ------------------------------------------------------------------------------
@@ -409,7 +264,7 @@ def _describe(key: tuple, fits: list) -> str:
     def emit(v: int) -> Any:
         return next(it)
 
-    canon = _walk_key(key, emit)
+    canon = walk_key(key, emit)
     for j, part in enumerate(canon[1:]):
         if type(part) is tuple and len(part) == 3 and type(part[1]) is ExtPat:
             pat = part[1]
@@ -455,7 +310,7 @@ def _prune_static(tpl: Template) -> int:
     drop = []
     for key in anchor.children:
         st = [None]
-        if _match(k, key, st) and st[0] is not None:
+        if match_part(k, key, st) and st[0] is not None:
             drop.append(key)
     M.sym_guard_fallbacks = guards
     for key in drop:
@@ -465,7 +320,7 @@ def _prune_static(tpl: Template) -> int:
 
 # ---- recording (called from engine.record on a trie miss) --------------------------------
 def step(tr: Any, node: TrieNode, key: tuple) -> Any:
-    """Output metadata for ``key`` from a template at ``node``, or _MISSING (tr.node moved to a
+    """Output metadata for ``key`` from a template at ``node``, or MISSING (tr.node moved to a
     detached node when the trace leaves a template: static paths never hang below one).
 
     The C accelerator takes the common case itself, without calling this (Note [C accelerator]
@@ -482,11 +337,11 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
             else:
                 st = [None]
                 k, ksym, out, osym = tpl.steps[0]
-                if not (_match(k, key, st) if ksym else k == key) or st[0] is None:
+                if not (match_part(k, key, st) if ksym else k == key) or st[0] is None:
                     continue
                 s = st[0]
-                got = _eval(out, s) if osym else out
-                if got is _MISSING:
+                got = eval_out(out, s) if osym else out
+                if got is MISSING:
                     M.sym_guard_fallbacks += 1
                     continue
                 if len(tpl.first) < _MEMO_MAX:
@@ -499,19 +354,19 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
             tr.node = tpl.nodes[0]
             M.sym_ops += 1
             return got
-        return _MISSING
+        return MISSING
     tpl, i = sym
     state = tr.sym
     if state is not None and state.tpl is tpl and not tpl.dead:
         s = state.s
         t2 = tpl
-        got = _step_of(tpl, i, key, s) if i < len(tpl.steps) else _MISSING
-        if got is _MISSING:  # another template with the same first i steps may go on
+        got = _step_of(tpl, i, key, s) if i < len(tpl.steps) else MISSING
+        if got is MISSING:  # another template with the same first i steps may go on
             for t2 in _others(tpl, i):
                 got = _step_of(t2, i, key, s)
-                if got is not _MISSING:
+                if got is not MISSING:
                     break
-        if got is not _MISSING:
+        if got is not MISSING:
             state.tpl = t2
             state.outs.append(got)
             state.keys.append(key)
@@ -531,24 +386,24 @@ def step(tr: Any, node: TrieNode, key: tuple) -> Any:
     else:
         tr.node = TrieNode(None, xxhash.xxh3_128_digest(node.digest + b"left"), node.depth,
                            node.parent, node.key, node.where)
-    return _MISSING
+    return MISSING
 
 
 def _step_of(tpl: Template, i: int, key: tuple, s: int) -> Any:
-    """Step i of a template for this key at this s: its output metadata, or _MISSING."""
+    """Step i of a template for this key at this s: its output metadata, or MISSING."""
     memo = tpl.memo.get(s)
     if memo is not None:
         hit = memo.get(i)
         if hit is not None and hit[0] == key:  # Note [template memo]
             return hit[1]
     k, ksym, out, osym = tpl.steps[i]
-    if not (_match(k, key, [s]) if ksym else k == key):
-        return _MISSING
+    if not (match_part(k, key, [s]) if ksym else k == key):
+        return MISSING
     if not osym:
         got = out
     else:
-        got = _eval(out, s)
-        if got is _MISSING:
+        got = eval_out(out, s)
+        if got is MISSING:
             M.sym_guard_fallbacks += 1
             return got
     if memo is None and len(tpl.memo) < _MEMO_MAX:
@@ -572,9 +427,9 @@ def _fill_memo(tpl: Template, s: int) -> None:
     ``Trace.register`` interns it, so its meta id). So the whole memo for s is made here, at
     the anchor, and each op of the run is one tuple compare (in C). A step whose pattern or
     outputs give no value at s (a non-integer, a guard) gets no entry: it is matched in
-    Python as before, which counts the fallback. The entries say what ``_match`` says: a key
-    equal to the pattern at s is the key ``_match`` accepts (the same ints and meta ids; a
-    type test as ``_match``'s stands in the compare's element types, which the op's schema
+    Python as before, which counts the fallback. The entries say what ``match_part`` says: a key
+    equal to the pattern at s is the key ``match_part`` accepts (the same ints and meta ids; a
+    type test as ``match_part``'s stands in the compare's element types, which the op's schema
     fixes per position). A key that differs (another template goes on, an external with a
     storage offset) misses the entry and is matched as before, which replaces it."""
     memo: dict[int, tuple[tuple, Any]] = {}
@@ -582,38 +437,15 @@ def _fill_memo(tpl: Template, s: int) -> None:
     for i in range(1, len(steps)):
         k, ksym, out, osym = steps[i]
         if ksym:
-            k = _inst(k, s)
-            if k is _MISSING:
+            k = instantiate(k, s)
+            if k is MISSING:
                 continue
         if osym:
-            out = _eval(out, s)
-            if out is _MISSING:
+            out = eval_out(out, s)
+            if out is MISSING:
                 continue
         memo[i] = (k, out)
     tpl.memo[s] = memo
-
-
-def _inst(t: Any, s: int) -> Any:
-    """A key pattern with s put in: the concrete key part it matches, or _MISSING."""
-    tt = type(t)
-    if tt is Poly:
-        v = t(s)
-        return _MISSING if v is None else v
-    if tt is tuple:
-        parts = []
-        for x in t:
-            x = _inst(x, s)
-            if x is _MISSING:
-                return _MISSING
-            parts.append(x)
-        return tuple(parts)
-    if tt is ExtPat:
-        size = _eval_all(t.size, s)
-        stride = _eval_all(t.stride, s)
-        if size is None or stride is None or min(size, default=0) < 0:
-            return _MISSING
-        return intern_meta(size, stride, 0, t.dtype, t.device, t.bits).mid
-    return t
 
 
 def _others(tpl: Template, i: int) -> list[Template]:
@@ -645,17 +477,6 @@ def _sym_of(tr: Any) -> SymTrace:
     if st is None:
         st = tr.sym = SymTrace()
     return st
-
-
-def _eval(out: Any, s: int) -> Any:
-    t = type(out)
-    if t is OutPat:
-        m = out.eval(s)
-        return _MISSING if m is None else m
-    if t is tuple or t is list:
-        got = [_eval(o, s) for o in out]
-        return _MISSING if any(g is _MISSING for g in got) else t(got)
-    return out
 
 
 # ---- single ops: metadata off the trie (Note [symbolic dims], single ops) ----------------
@@ -692,39 +513,13 @@ _FAMS_MAX = 64  # fitted call sites per skeleton
 _POOL_MAX = 32  # observations kept per skeleton (many sites share one: mm in a backward)
 
 
-def _walk_mkey(key: tuple, emit: Any) -> tuple:
-    return (key[0], key[1], _mw(key[2], emit), _mw(key[3], emit), *key[4:])
-
-
-def _mw(part: Any, emit: Any) -> Any:
-    t = type(part)
-    if t is int:  # a metadata id
-        m = METAS_BY_ID[part]
-        return ("m", tuple(emit(v) for v in m.size), tuple(emit(v) for v in m.stride),
-                emit(m.offset), m.dtype, m.device, m.bits)
-    if t is tuple:
-        if len(part) == 2 and part[0] is int:
-            return (int, emit(part[1]))
-        if len(part) == 2 and isinstance(part[0], type):
-            return part
-        return tuple(_mw(x, emit) for x in part)
-    return part
-
-
-def _storable_out(out: Any) -> bool:
-    t = type(out)
-    if t is Meta or out is None or t is int:
-        return True
-    return (t is tuple or t is list) and all(_storable_out(o) for o in out)
-
-
 def on_meta_put(key: tuple, out: Any) -> None:
     """memory.META_CACHE.put: a real run's metadata; learn its family."""
-    if not ENABLED or not _storable_out(out):
+    if not ENABLED or not storable_out(out):
         return
     try:
         vals: list[int] = []
-        skel = _walk_mkey(key, lambda v: vals.append(v) or HOLE)  # type: ignore[func-returns-value]
+        skel = walk_mkey(key, lambda v: vals.append(v) or HOLE)  # type: ignore[func-returns-value]
         if not vals:
             return
         pool = FAMILIES.get(skel)
@@ -733,7 +528,7 @@ def on_meta_put(key: tuple, out: Any) -> None:
         if len(pool.fams) >= _FAMS_MAX:
             return
         ovals: list[int] = []
-        _walk_out(out, lambda v: ovals.append(v) or HOLE)
+        walk_out(out, lambda v: ovals.append(v) or HOLE)
         pool.obs.append((vals + ovals, out))
         if len(pool.obs) > _POOL_MAX:
             del pool.obs[0]
@@ -750,7 +545,7 @@ def on_meta_put(key: tuple, out: Any) -> None:
                     continue
                 first = next(j for j, f in enumerate(kf) if type(f) is Poly)
                 it = iter(fits[len(vals):])
-                pool.fams.append(Family(kf, _walk_out(out, lambda v: next(it)), first))
+                pool.fams.append(Family(kf, walk_out(out, lambda v: next(it)), first))
                 known.append(kf)
     except Exception as err:
         M.engine_errors += 1
@@ -763,7 +558,7 @@ def predict(tr: Any, op: Any, key: tuple) -> Any:
         return None
     vals: list[int] = []
     try:
-        skel = _walk_mkey(key, lambda v: vals.append(v) or HOLE)  # type: ignore[func-returns-value]
+        skel = walk_mkey(key, lambda v: vals.append(v) or HOLE)  # type: ignore[func-returns-value]
     except (IndexError, TypeError):
         return None
     pool = FAMILIES.get(skel)
@@ -780,8 +575,8 @@ def predict(tr: Any, op: Any, key: tuple) -> Any:
             if (f(s) if type(f) is Poly else f) != v:
                 break
         else:
-            got = _eval(fam.out, s)
-            if got is _MISSING:
+            got = eval_out(fam.out, s)
+            if got is MISSING:
                 continue
             _sym_of(tr).preds.append((len(tr.ops), got, fam, s, op))
             M.sym_ops += 1
@@ -911,7 +706,7 @@ def drop(tpl: Template, why: str) -> None:
     disk = STATE.disk
     if disk is not None:
         try:
-            disk.put_stats(_disk_name(tpl.anchor.digest, tpl.digest), {"dead": why})
+            disk.put_stats(disk_name(tpl.anchor.digest, tpl.digest), {"dead": why})
         except Exception:
             M.disk_errors += 1
 
@@ -923,21 +718,13 @@ def note_hit(entry: TraceEntry) -> None:
         M.sym_dims[tpl.label()] = M.sym_dims.get(tpl.label(), 0) + 1
 
 
-# ---- persistence --------------------------------------------------------------------------
-_PREFIX = "symdims-"
-
-
-def _disk_name(anchor: bytes, digest: str) -> str:
-    return f"{_PREFIX}{anchor.hex()}-{digest[:32]}"
-
-
+# ---- persistence (the encoding: shapes_store.py) ------------------------------------------
 def configure(options: Any) -> None:
     """Engine start: switch learning on or off; load what earlier processes learnt."""
     global ENABLED
     ENABLED = bool(getattr(options, "symbolic_dims", True))
     if not ENABLED or not options.disk_cache:
         return
-    from adaptive_eager.cache.disk import DiskCache, resolve_cache_dir
 
     folder = resolve_cache_dir(options)
     where = str(folder)
@@ -949,7 +736,7 @@ def configure(options: Any) -> None:
         if STATE.disk is None:
             return
         for name in STATE.disk.keys():
-            if not name.startswith("stats:" + _PREFIX):
+            if not name.startswith("stats:" + PREFIX):
                 continue
             data = STATE.disk.get_stats(name[len("stats:"):])
             if not data or "dead" in data or "steps" not in data:
@@ -998,164 +785,24 @@ def _store(tpl: Template) -> None:
         data = {
             "anchor": tpl.anchor.digest.hex(), "digest": tpl.digest, "dims": tpl.dims,
             "seen": tpl.seen, "where": [n.where for n in tpl.nodes],
-            "steps": [[_enc(k), _enc_out(o)] for k, _, o, _ in tpl.steps],
+            "steps": encode_steps(tpl.steps),
         }
-    except _NotStorable as err:
+    except NotStorable as err:
         log.info("adaptive_eager: symbolic trace %s not stored: %s", tpl.digest[:12], err)
         return
     try:
-        disk.put_stats(_disk_name(tpl.anchor.digest, tpl.digest), data)
+        disk.put_stats(disk_name(tpl.anchor.digest, tpl.digest), data)
     except Exception as err:
         M.disk_errors += 1
         log.info("adaptive_eager: storing symbolic dims failed: %s", err)
 
 
-class _NotStorable(Exception):
-    pass
-
-
-def _enc(p: Any) -> Any:
-    t = type(p)
-    if t is bool:
-        return {"b": p}
-    if t is int:
-        return p
-    if t is float:
-        return {"f": repr(p)}
-    if t is str:
-        return {"s": p}
-    if p is None:
-        return None
-    if t is Poly:
-        return {"P": [p.c0, p.c1, p.c2, p.d]}
-    if t is tuple:
-        if len(p) == 3 and p[0] == "x" and type(p[1]) is int:
-            m = METAS_BY_ID[p[1]]
-            return {"x": [list(m.size), list(m.stride), str(m.dtype), str(m.device), m.bits],
-                    "g": p[2]}
-        if len(p) == 3 and p[0] == "x" and type(p[1]) is ExtPat:
-            e = p[1]
-            return {"X": [[_enc(v) for v in e.size], [_enc(v) for v in e.stride], str(e.dtype),
-                          str(e.device), e.bits], "g": p[2]}
-        return {"T": [_enc(x) for x in p]}
-    if t in (type,) and p in (int, float, bool, complex):
-        return {"t": p.__name__}
-    if isinstance(p, torch.dtype):
-        return {"dt": str(p)}
-    if isinstance(p, torch.device):
-        return {"dev": str(p)}
-    if isinstance(p, (torch.memory_format, torch.layout)):
-        return {"mf" if isinstance(p, torch.memory_format) else "ly": str(p)}
-    name = getattr(p, "name", None)
-    if hasattr(p, "op") and hasattr(p, "policy") and isinstance(name, str):
-        return {"op": name}
-    raise _NotStorable(f"key part of type {t.__name__}")
-
-
-def _enc_out(o: Any) -> Any:
-    t = type(o)
-    if t is Meta:
-        return {"M": [list(o.size), list(o.stride), o.offset, str(o.dtype), str(o.device),
-                      o.bits]}
-    if t is OutPat:
-        return {"O": [[_enc(v) for v in o.size], [_enc(v) for v in o.stride], _enc(o.offset),
-                      str(o.dtype), str(o.device), o.bits]}
-    if t is tuple or t is list:
-        return {"T" if t is tuple else "L": [_enc_out(x) for x in o]}
-    if o is None or t is int:
-        return o
-    raise _NotStorable(f"output of type {t.__name__}")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.split(".", 1)[1])
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(name)
-    return dt
-
-
-def _dec(p: Any) -> Any:
-    if p is None or type(p) is int:
-        return p
-    if type(p) is not dict or len(p) not in (1, 2):
-        raise ValueError("bad key part")
-    tag = next(k for k in p if k != "g")
-    v = p[tag]
-    if tag == "b":
-        return bool(v)
-    if tag == "f":
-        return float(v)
-    if tag == "s":
-        return str(v)
-    if tag == "P":
-        return Poly(*(int(x) for x in v))
-    if tag == "x":
-        size, stride, dt, dev, bits = v
-        m = intern_meta(tuple(int(x) for x in size), tuple(int(x) for x in stride), 0,
-                        _dtype(dt), torch.device(dev), int(bits))
-        return ("x", m.mid, int(p["g"]))
-    if tag == "X":
-        size, stride, dt, dev, bits = v
-        return ("x", ExtPat(tuple(_dec(x) for x in size), tuple(_dec(x) for x in stride),
-                            _dtype(dt), torch.device(dev), int(bits)), int(p["g"]))
-    if tag == "T":
-        return tuple(_dec(x) for x in v)
-    if tag == "t":
-        return {"int": int, "float": float, "bool": bool, "complex": complex}[v]
-    if tag == "dt":
-        return _dtype(v)
-    if tag == "dev":
-        return torch.device(v)
-    if tag == "mf" or tag == "ly":  # memory format, layout: torch.<name>
-        return getattr(torch, v.split(".", 1)[1])
-    if tag == "op":
-        from adaptive_eager.dispatch.opspec import spec_for
-
-        ns, name, overload = v.split(".")
-        return spec_for(getattr(getattr(getattr(torch.ops, ns), name), overload))
-    raise ValueError(f"bad key tag {tag}")
-
-
-def _dec_out(o: Any) -> Any:
-    if o is None or type(o) is int:
-        return o
-    (tag, v), = o.items()
-    if tag == "M":
-        size, stride, off, dt, dev, bits = v
-        return intern_meta(tuple(size), tuple(stride), int(off), _dtype(dt), torch.device(dev),
-                           int(bits))
-    if tag == "O":
-        size, stride, off, dt, dev, bits = v
-        return OutPat(tuple(_dec(x) for x in size), tuple(_dec(x) for x in stride), _dec(off),
-                      _dtype(dt), torch.device(dev), int(bits))
-    if tag in ("T", "L"):
-        got = [_dec_out(x) for x in v]
-        return tuple(got) if tag == "T" else got
-    raise ValueError(f"bad output tag {tag}")
-
-
 def _decode_template(anchor: TrieNode, data: dict) -> Template:
-    steps = []
-    for k, o in data["steps"]:
-        key = _dec(k)
-        out = _dec_out(o)
-        steps.append((key, _has_poly(key), out, _has_poly_out(out)))
+    from adaptive_eager.dispatch.opspec import spec_for
+
+    steps = decode_steps(data["steps"], spec_for)
     return Template(anchor, steps, list(data.get("where") or [None] * len(steps)),
                     str(data.get("dims", "")), [int(x) for x in data.get("seen", [])])
-
-
-def _has_poly(p: Any) -> bool:
-    t = type(p)
-    if t is Poly or t is ExtPat:
-        return True
-    return t is tuple and any(_has_poly(x) for x in p)
-
-
-def _has_poly_out(o: Any) -> bool:
-    t = type(o)
-    if t is OutPat:
-        return True
-    return (t is tuple or t is list) and any(_has_poly_out(x) for x in o)
 
 
 def reset() -> None:

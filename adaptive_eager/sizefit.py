@@ -1,17 +1,18 @@
 """Fitting sizes: integer polynomials in one symbol ``s`` through observed ints, and the
 patterns that match concrete keys against them (Note [symbolic dims] in shapes.py, Fitting).
 
-Pure: this module imports nothing of the package but the metrics, so shapes.py and graph.py may
-use it at their top without joining the package's import circle.
+Pure: this module imports nothing of the package but the metrics and core/, so shapes.py and
+graph.py may use it at their top without joining the package's import circle.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from adaptive_eager.core.meta import Meta
 from adaptive_eager.metrics import METRICS as M
 
 MIN_OBS = 3  # distinct values of s before a skeleton is fitted
@@ -157,16 +158,6 @@ def slope_fits(vecs: list[list[int]], n_key: int) -> list[tuple[list[int], list]
     return found
 
 
-class _Metadata(Protocol):
-    """What ExtPat reads of dispatch.lazy.Meta (not imported here: it is in the import circle)."""
-
-    size: tuple
-    stride: tuple
-    dtype: torch.dtype
-    device: torch.device
-    bits: int
-
-
 class ExtPat:
     """An external tensor's metadata with fitted sizes/strides (in a key: ('x', ExtPat, g))."""
 
@@ -178,7 +169,7 @@ class ExtPat:
             size, stride, dtype, device, bits)
         self._h = hash((size, stride, dtype, device, bits))
 
-    def match(self, m: _Metadata, st: list) -> bool:
+    def match(self, m: Meta, st: list) -> bool:
         if (m.dtype != self.dtype or m.device != self.device or m.bits != self.bits
                 or len(m.size) != len(self.size)):
             return False

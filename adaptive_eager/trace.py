@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from adaptive_eager.cache.memory import TRIE, TrieNode
-from adaptive_eager.dispatch.lazy import LazyTensor, intern_meta, meta_of
+from adaptive_eager.core.meta import intern_meta, meta_of
+from adaptive_eager.dispatch.lazy import LazyTensor
 from adaptive_eager.dispatch.outside import ESCAPED, escaped
 
 _DisableFunction = torch._C.DisableTorchFunction

@@ -9,7 +9,7 @@ caches and warm-ups are isolated; results land in ``benchmarks/out/`` as JSON, m
 
 import os
 
-# Note [learning budget] in adaptive_eager/aside.py: by default the engine spends at most 5% of a
+# Note [learning budget] in adaptive_eager/budget.py: by default the engine spends at most 5% of a
 # run beyond eager's time on learning, so on a machine with few cores it holds its first compile
 # back for minutes. The benchmarks that measure what the engine does once it has decided (steady
 # steps, per-op costs, time to a fused step) run without that limit, unless the caller set one;

@@ -42,7 +42,9 @@ PHASES = (
     ("  op-by-op replay (kernels included)", "execute.py", "replay", "cum"),
     ("  fused program runs (kernels included)", "fused.py", "run_fused", "cum"),
     ("  publishing values to lazy tensors", "execute.py", "publish", "cum"),
-    ("step-aside and round hooks, own time", "aside.py", "*", "own"),
+    ("step-aside and round hooks, own time",
+     ("adaptive_eager/aside.py", "adaptive_eager/rounds.py", "adaptive_eager/trial.py",
+      "adaptive_eager/saving.py"), "*", "own"),
 )
 
 

@@ -24,7 +24,8 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager import config, shapes
 from adaptive_eager.dispatch import mode
-from adaptive_eager.dispatch.lazy import CONJ, METAS_BY_ID, NEG, LazyTensor
+from adaptive_eager.core.meta import CONJ, METAS_BY_ID, NEG
+from adaptive_eager.dispatch.lazy import LazyTensor
 from adaptive_eager.engine import Engine, owned_engine
 from adaptive_eager.trace import SLOTS, Slot
 from helpers import assert_equal_tree, refcounts_around, to_plain
@@ -484,7 +485,8 @@ def test_a_kwargs_dict_that_grows_while_walked_does_not_overrun_the_key() -> Non
     (it wrote past the key tuple: a segfault or heap corruption). In a subprocess: a crash."""
     code = textwrap.dedent('''
         import torch, adaptive_eager as ae
-        from adaptive_eager.dispatch.lazy import CONJ, METAS_BY_ID, NEG, LazyTensor
+        from adaptive_eager.core.meta import CONJ, METAS_BY_ID, NEG
+        from adaptive_eager.dispatch.lazy import LazyTensor
         aten = torch.ops.aten
         x, y = torch.randn(6), torch.randn(6)
         kw = {}
@@ -972,7 +974,7 @@ def test_meta_order_is_the_python_paths(tmp_path: Any) -> None:
         import sys, torch, adaptive_eager as ae
         sys.path.insert(0, sys.argv[2])
         from test_accel import FIRST_USE
-        from adaptive_eager.dispatch.lazy import METAS_BY_ID
+        from adaptive_eager.core.meta import METAS_BY_ID
         from adaptive_eager import _hot
         torch.manual_seed(0)
         steps = [make() for make in FIRST_USE.values()]
@@ -1016,7 +1018,7 @@ def test_first_uses_in_c_leak_no_references() -> None:
             step()
             ae.sync()
         eng = owned_engine()
-        from adaptive_eager.dispatch.lazy import _METAS
+        from adaptive_eager.core.meta import _METAS
         metas = tuple(_METAS.values())
         watched = (model.weight, model.bias, x, base, eng, torch.strided) + metas
         e0 = _hot.stats()["ext"]

@@ -175,7 +175,7 @@ def test_trial_alternates_rounds_so_a_load_change_cannot_decide(clock: TrialCloc
     engine is the faster side (eager rounds take 10 ms longer) and a passing load adds 40 ms to
     each of the trial's first TRIAL_TICKS rounds: timed in two phases (engine rounds first) the
     engine would have lost; paired rounds see the same load and keep it."""
-    from adaptive_eager.aside import TRIAL_CLEAR_PAIRS, TRIAL_TICKS
+    from adaptive_eager.trial import TRIAL_CLEAR_PAIRS, TRIAL_TICKS
 
     _no_estimate(monkeypatch)
     ref, _ = _train(60)
@@ -216,7 +216,7 @@ def test_a_clear_trial_ends_after_a_few_pairs(clock: TrialClock, monkeypatch: py
                                               graph_backend: object, slow_side: str) -> None:
     """Note [clear trials]: when every pair of rounds says the same by 2x or more, the trial
     ends after TRIAL_CLEAR_PAIRS pairs, not TRIAL_TICKS, with the verdict the full trial gives."""
-    from adaptive_eager.aside import TRIAL_CLEAR_PAIRS
+    from adaptive_eager.trial import TRIAL_CLEAR_PAIRS
 
     _no_estimate(monkeypatch)
     ref, _ = _train(40)
@@ -232,7 +232,7 @@ def test_a_clear_trial_ends_after_a_few_pairs(clock: TrialClock, monkeypatch: py
 
 
 def test_clear_ratio_needs_every_pair_to_agree() -> None:
-    from adaptive_eager.aside import clear_ratio
+    from adaptive_eager.trial import clear_ratio
 
     assert clear_ratio([1.0, 1.0], [3.0, 3.0]) is None  # too few pairs
     assert clear_ratio([1.0, 1.0, 1.0], [3.0, 3.0, 3.0]) == pytest.approx(1 / 3)
@@ -275,7 +275,7 @@ def test_plain_eager_while_a_compile_is_in_flight(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(programs.Programs, "store", slow_store)
     _no_estimate(monkeypatch)
-    monkeypatch.setattr("adaptive_eager.aside.TRIAL_TICKS", 10_000)  # no trial in this test
+    monkeypatch.setattr("adaptive_eager.trial.TRIAL_TICKS", 10_000)  # no trial in this test
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)

@@ -1,5 +1,5 @@
 """Stepping aside in loops without an optimizer (``generate()``, evaluation): while the engine is
-off its tick hooks sit on the outermost module only (Note [root ticks] in aside.py), and probes
+off its tick hooks sit on the outermost module only (Note [root ticks] in rounds.py), and probes
 that find nothing back off (Note [probes back off]).
 
 As in test_aside.py the decision is forced by pinning the measured costs, never by timing.
@@ -75,7 +75,8 @@ def _always_aside(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _our_global_hooks() -> int:
-    from adaptive_eager.aside import Presence, _AsideHook, _RootTick
+    from adaptive_eager.aside import Presence
+    from adaptive_eager.rounds import _AsideHook, _RootTick
 
     hooks = [*nn_module._global_forward_hooks.values(),
              *nn_module._global_forward_pre_hooks.values()]
@@ -251,7 +252,7 @@ def test_trial_over_root_calls_switches_hook_kinds(monkeypatch: pytest.MonkeyPat
     sides alternate call by call) and results are eager's. Which side wins is test_aside.py's
     business (timed there on a test clock); here either verdict leaves consistent hooks."""
     from adaptive_eager import aside
-    from adaptive_eager.aside import TRIAL_TICKS
+    from adaptive_eager.trial import TRIAL_TICKS
 
     class SteadyClock:  # rounds all alike: no verdict is clear early (Note [clear trials])
         now = 0.0
@@ -335,7 +336,7 @@ def test_step_hook_stays_between_contexts_and_counts_only_inside(
     """The optimizer step hook stays registered between contexts (no registration per context,
     Note [cheap contexts]), but a step taken outside every context counts no round; inside, rounds
     count again; results are eager's."""
-    from adaptive_eager.aside import _StepHook
+    from adaptive_eager.rounds import _StepHook
     from helpers import train_steps
 
     _always_aside(monkeypatch)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import aside, compiler
+from adaptive_eager import compiler, trial
 from adaptive_eager.compile import programs
 from adaptive_eager.cores import CoreLoan, usable_cores
 
@@ -80,7 +80,7 @@ def test_waiting_aside_lends_a_core_inside_the_context_only(
 
     monkeypatch.setattr(programs.Programs, "store", slow_store)
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
-    monkeypatch.setattr(aside, "TRIAL_TICKS", 10_000)  # no trial in this test
+    monkeypatch.setattr(trial, "TRIAL_TICKS", 10_000)  # no trial in this test
     w, x = torch.randn(32, 32), torch.randn(8, 32)
     ref = _step(w, x)
     inside: list[tuple[int, int]] = []  # (compile_waits, threads) per step, in the context

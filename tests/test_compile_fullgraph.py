@@ -1,5 +1,5 @@
 """torch.compile of code that calls modules, with the engine's module hooks on (Note [hooks under
-Dynamo] in aside.py): ``fullgraph=True`` compiles, no hook breaks the graph, results equal plain
+Dynamo] in rounds.py): ``fullgraph=True`` compiles, no hook breaks the graph, results equal plain
 eager's, and module calls outside compiled code still tick.
 
 Dynamo backends ``eager``/``aot_eager`` (and ``CompileCounter``, which counts the graphs and runs
@@ -21,7 +21,8 @@ from torch.nn.modules import module as nn_module
 
 import adaptive_eager as ae
 from adaptive_eager.compile import policy
-from adaptive_eager.aside import Presence, _AsideHook, _RootTick
+from adaptive_eager.aside import Presence
+from adaptive_eager.rounds import _AsideHook, _RootTick
 from adaptive_eager.calibrate import calibrate
 
 

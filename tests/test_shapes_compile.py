@@ -1,5 +1,5 @@
 """Dynamic-size programs for symbolic traces (Note [symbolic programs] in
-adaptive_eager/graph.py): a hot template trace compiles once into one Inductor program that
+adaptive_eager/symbolic_plan.py): a hot template trace compiles once into one Inductor program that
 serves every value of s; the first fused run at each new size is checked against op-by-op
 replay until SYM_CHECKED_SIZES sizes agreed, then a new size runs the program directly if the
 program's shape guards hold at it, and op by op if not (Note [trusting a size] in compile/sizes.py).

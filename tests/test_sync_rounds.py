@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import aside, compiler
+from adaptive_eager import aside, compiler, trial
 from adaptive_eager.compile import policy
 from adaptive_eager.compile import programs
 from adaptive_eager.calibrate import calibrate
@@ -72,7 +72,7 @@ def test_sync_rounds_need_steps_aside_on(graph_backend: object) -> None:
 def test_an_optimizer_step_replaces_sync_rounds(monkeypatch: pytest.MonkeyPatch,
                                                 graph_backend: object) -> None:
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
-    monkeypatch.setattr(aside, "TRIAL_TICKS", 10_000)  # no trial in this test
+    monkeypatch.setattr(trial, "TRIAL_TICKS", 10_000)  # no trial in this test
     a, b = _solver()
     x = torch.zeros(16)
     w = torch.zeros(4, requires_grad=True)
@@ -104,7 +104,7 @@ def test_waiting_aside_while_compiling(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(programs.Programs, "store", slow_store)
     monkeypatch.setattr(compiler.CompileManager, "step_aside_reason", lambda self: None)
-    monkeypatch.setattr(aside, "TRIAL_TICKS", 10_000)  # no trial in this test
+    monkeypatch.setattr(trial, "TRIAL_TICKS", 10_000)  # no trial in this test
     a, b = _solver()
     x = torch.zeros(16)
     ref_x = torch.zeros(16)

@@ -84,7 +84,7 @@ class InductorBackend:
         with _num_threads(self.threads), torch.no_grad(), \
                 pins.compiling(chosen_kernel_dir()):  # Note [kernel pins]; no_grad: autograd
             # ran above us
-            if getattr(graph, "dynamic", None):  # Note [symbolic programs] in graph.py
+            if getattr(graph, "dynamic", None):  # Note [symbolic programs] in symbolic_plan.py
                 fakes = _fake_dynamic(graph)
                 _not_specialized(fakes, "propagating shapes")
                 # the fakes' own mode, through a tracing context: ``from_graph`` took it from

@@ -512,7 +512,7 @@ class Decisions:
 
     def settled(self) -> bool:
         """Every hot trace compiled and decided: the engine runs as fast as it will (the moment
-        for a measured trial against plain eager, Note [measured trial] in aside.py)."""
+        for a measured trial against plain eager, Note [measured trial] in trial.py)."""
         return (self.options.step_aside and self._compiles and self.probe_start is None
                 and len(self.decided) >= MIN_DECISIONS and not self._undecided_hot()
                 and M.compiles_pending == 0 and self._covered())

@@ -27,8 +27,8 @@ SYM_GUARD_MEMO = 4096  # sizes whose guard verdict is remembered per program
 
 
 # Note [trusting a size]
-# A dynamic-size program (Note [symbolic programs] in graph.py) runs a size s unchecked, as a
-# static program runs, only when both hold:
+# A dynamic-size program (Note [symbolic programs] in symbolic_plan.py) runs a size s unchecked,
+# as a static program runs, only when both hold:
 # - its own shape guards hold at s (Note [program shape guards] in backends/inductor.py: what
 #   Inductor assumed, such as two inputs' lengths being equal, s >= 2, or s <= 4096 where the
 #   CPU sum kernel skipped its chunked accumulator), evaluated on this run's program inputs by

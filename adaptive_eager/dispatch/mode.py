@@ -22,8 +22,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from adaptive_eager.core.meta import _METAS, Meta
 from adaptive_eager.dispatch.bounds import in_bounds
-from adaptive_eager.dispatch.lazy import LazyTensor, Meta, _set_bits, resolve_all
+from adaptive_eager.dispatch.lazy import LazyTensor, _set_bits, resolve_all
 from adaptive_eager.dispatch.opspec import (
     ALLOC, CHECKED, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
@@ -174,7 +175,6 @@ if _hot is not None:
                   DeferMode.__dict__["__torch_dispatch__"], Trace, TrieNode, OpSpec, Engine,
                   Template, SymTrace)
         # first uses of externals numbered in C too (Trace.register's common case)
-        from adaptive_eager.dispatch.lazy import _METAS
         from adaptive_eager.dispatch.outside import ESCAPED
         from adaptive_eager.trace import _storage
 

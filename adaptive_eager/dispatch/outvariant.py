@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from adaptive_eager.dispatch.lazy import LazyTensor, meta_of, resolve_all
+from adaptive_eager.core.meta import meta_of
+from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
 from adaptive_eager.dispatch.opspec import OpSpec, spec_for
 from adaptive_eager.engine import Engine, NeedRun, RunNow, _refresh_wrapper, is_user_error
 from adaptive_eager.metrics import METRICS as M

@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from adaptive_eager.dispatch.lazy import LazyTensor, materialize, resolve_all
 from adaptive_eager.metrics import METRICS as M
+from adaptive_eager.rounds import _AsideHook, _RootTick, hooks_hidden
 
 _pop_dispatch_key = torch._C._pop_torch_dispatch_stack
 
@@ -295,8 +296,6 @@ def _global_hooks_hidden(presence: Any) -> Any:
     hooks (tick and step-aside) leave the hook dicts for the export and come back under their
     own handles, so the depth count and the handles stay as they were."""
     from torch.nn.modules import module as nn_module
-
-    from adaptive_eager.aside import _AsideHook, _RootTick, hooks_hidden
 
     return hooks_hidden((nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks),
                         lambda h: type(h) in (_RootTick, _AsideHook)
