@@ -272,6 +272,100 @@ def _writes_external(trace: Trace) -> bool:
     return False
 
 
+# Note [writes through shared storage]
+# External tensors that share storage enter a program as ``as_strided`` views of one synthetic
+# base (Note [synthetic bases]). Inductor (torch 2.13) lowers a write into such a view whose
+# value is computed, in the same kernel, from the base read at other positions as one in-place
+# loop: ``b.copy_(b.flip(0))`` after an earlier write through the base stored element i before
+# it read it as element n - i (a fuzzed program, and torch.compile of the same graph, ended 8
+# apart). Eager computes the source first. So a trace whose write into a group that shares
+# storage takes a value read from that group at other positions is not fused: it runs op by op,
+# bitwise eager's. "Other positions" is decided conservatively from the recorded ops: a value
+# read from a member and carried only through pointwise ops to a write into that same member
+# (``p.mul_(0.9)``, ``p.add_(p * 2)``, Adam's update of a weight whose transpose is also an
+# input) is in place and safe; anything else that reaches a write - a view of a member, another
+# member, a flip or gather - is a hazard unless a reduction or a matrix product (which Inductor
+# stores to a buffer of its own first) stands between. Traces whose groups are only read are
+# untouched.
+_STORES_FIRST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot",
+                           "convolution", "_convolution", "cudnn_convolution",
+                           "mkldnn_convolution", "_scaled_dot_product_flash_attention_for_cpu"})
+
+
+def _shared_write_hazard(trace: Trace, groups: list[list[int]]) -> str | None:
+    """The op whose write into shared external storage reads that storage at other positions
+    (Note [writes through shared storage]), or None."""
+    from adaptive_eager.dispatch.opspec import spec_for
+
+    group_of = {i: n for n, members in enumerate(groups) if len(members) > 1 for i in members}
+    if not group_of:
+        return None
+    ext_ids = trace.ext_ids
+    # Positions: an origin is ("x", ext index) or ("v", slot of a view of a member). ``views``:
+    # the group a view slot's storage is in; ``taint``: per slot, the groups its value was read
+    # from, with the origin and whether only pointwise ops carried it.
+    views: dict[int, set[int]] = {}
+    taint: dict[int, dict[int, set[tuple[tuple[str, int], bool]]]] = {}
+
+    def of(a: Any) -> dict[int, set[tuple[tuple[str, int], bool]]]:
+        if type(a) is Slot:
+            return taint.get(a.i, {})
+        if isinstance(a, torch.Tensor):
+            i = ext_ids.get(id(a))
+            if i in group_of:
+                return {group_of[i]: {(("x", i), True)}}
+        return {}
+
+    def storage(a: Any) -> set[int]:
+        """The groups whose memory a write into ``a`` changes."""
+        if type(a) is Slot:
+            return views.get(a.i, set())
+        if isinstance(a, torch.Tensor):
+            i = ext_ids.get(id(a))
+            return {group_of[i]} if i in group_of else set()
+        return set()
+
+    for op, args, kwargs, slots in trace.ops:
+        spec = spec_for(op)
+        writes = spec.writes or ()
+        written = [args[w] if type(w) is int and w < len(args) else kwargs.get(w)
+                   for w in writes]
+        others = [a for j, a in enumerate(args) if j not in writes]
+        others += [v for k, v in kwargs.items() if k not in writes]
+        for target in (t for w in written for t in _flat(w)):
+            into = storage(target)
+            if not into:
+                continue
+            origins = {o for entries in of(target).values() for o, _ in entries}
+            for a in (x for o in others for x in _flat(o)):
+                for g, entries in of(a).items():
+                    if g in into and any(not pw or o not in origins for o, pw in entries):
+                        return spec.name
+        if slots is None:
+            continue
+        name = op.__name__.split(".")[0] if hasattr(op, "__name__") else ""
+        if torch.Tag.reduction in getattr(op, "tags", ()) or name in _STORES_FIRST:
+            continue
+        merged: dict[int, set[tuple[tuple[str, int], bool]]] = {}
+        for a in (x for part in (*args, *kwargs.values()) for x in _flat(part)):
+            for g, entries in of(a).items():
+                merged.setdefault(g, set()).update(entries)
+        if not merged:
+            continue
+        outs = [slots] if type(slots) is int else [s for s in _flat(slots) if type(s) is int]
+        view = spec.view_arg is not None
+        pointwise = torch.Tag.pointwise in getattr(op, "tags", ())
+        base = storage(args[spec.view_arg]) if view and spec.view_arg < len(args) else set()
+        for s in outs:
+            if base:  # a view into a group: positions of its own, written through it
+                views[s] = base
+                taint[s] = {g: {(("v", s), True)} for g in base}
+            else:  # a value read from groups (a view of one moves its positions)
+                taint[s] = {g: {(o, pw and pointwise and not view) for o, pw in e}
+                            for g, e in merged.items()}
+    return None
+
+
 def _flat(a: Any) -> list[Any]:
     if isinstance(a, (list, tuple)):
         return [y for x in a for y in _flat(x)]
@@ -569,6 +663,9 @@ def build(trace: Trace, live: list[int], varying: set[int], template: Any = None
     if template is not None:
         sym_args, dims, sources = symbolic_plan(trace, template, reals, spec_for)
     groups, plan, bases = _tensor_placeholders(g, reals, _split_ok(trace, dims))
+    hazard = _shared_write_hazard(trace, groups)
+    if hazard is not None:
+        raise Unfusable(f"{hazard} writes shared storage it reads at other positions")
     lifted_at = {i: g.placeholder(f"s{i}") for i in lifted}  # placeholders all come first
     ext_nodes, offsets = _member_views(g, reals, groups, bases)
     dynamic = None

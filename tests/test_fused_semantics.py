@@ -163,3 +163,66 @@ def test_unrecorded_op_leaves_no_inputs_behind() -> None:
     line)."""
     m = _check(_nested_and_sparse, want_fused=False)
     assert m["fused_errors"] == 0, m
+
+
+# ---- writes through storage shared by several inputs (Note [writes through shared storage]) ----
+def _shared(body: Callable[[torch.Tensor], None]) -> Callable[[], list[torch.Tensor]]:
+    def run() -> list[torch.Tensor]:
+        x = torch.arange(25, dtype=torch.float32).reshape(5, 5)
+        out = []
+        for _ in range(5):
+            body(x)
+            out.append(x.clone())
+            ae.sync()  # one trace per step: it repeats, turns hot and compiles
+        return out
+    return run
+
+
+def _flip_after_add(x: torch.Tensor) -> None:  # the fuzzer's program
+    x.view(-1)[1:].add_(1)
+    t = x.view(-1)[1:]
+    t.copy_(t.flip(0))
+
+
+def _roll_after_mul(x: torch.Tensor) -> None:
+    x.view(-1)[:20].mul_(0.5)
+    t = x.view(-1)[1:]
+    t.copy_(t.roll(3))
+
+
+def _shifted_member(x: torch.Tensor) -> None:  # pointwise, but through another member
+    a, b = x.view(-1)[:24], x.view(-1)[1:]
+    b.copy_(a * 0.5 + 1)
+
+
+def _view_of_member(x: torch.Tensor) -> None:
+    a = x.view(-1)[1:]
+    a.add_(1)
+    a.mul_(x.t().reshape(-1)[1:] * 0.01)
+
+
+@pytest.mark.parametrize("body", [_flip_after_add, _roll_after_mul, _shifted_member,
+                                  _view_of_member], ids=lambda f: f.__name__)
+def test_write_reading_shared_storage_elsewhere(body: Callable[[torch.Tensor], None]) -> None:
+    """Inductor would run these as one in-place loop that reads what it already overwrote."""
+    _check(_shared(body), want_fused=False)
+
+
+def test_in_place_updates_of_a_weight_with_its_transpose_still_fuse() -> None:
+    """Pointwise updates of a member by itself are safe: a weight read through its transpose
+    (a second input on the same storage) and updated in place still runs fused."""
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w = torch.randn(8, 8)
+        h = torch.randn(4, 8)
+        out = []
+        for _ in range(6):
+            y = h @ w.t()
+            g = y.t() @ h
+            w.mul_(0.99)
+            w.add_(g * -0.01)
+            w.addcmul_(w, w, value=-1e-3)
+            out.append(w.clone())
+            ae.sync()
+        return out
+    _check(run, want_fused=True)
