@@ -58,6 +58,7 @@ import time
 from typing import Any
 
 from adaptive_eager.compile import policy  # the hot rule's MIN_OBSERVED
+from adaptive_eager.core import hooks
 
 log = logging.getLogger("adaptive_eager")
 
@@ -280,6 +281,14 @@ COLLECTIVES = frozenset({"all_reduce", "all_gather_into_tensor", "reduce_scatter
                          "all_to_all_single", "wait_tensor"})
 _with_collectives: dict[str, bool] = {}  # trace digest -> has a functional collective
 _hooks_installed = False
+
+
+def _collectives() -> frozenset[str]:
+    install_collective_hooks()
+    return COLLECTIVES
+
+
+hooks.collectives = _collectives  # Note [hook slots] in core/hooks.py
 
 
 def install_collective_hooks() -> None:

@@ -19,6 +19,7 @@ import torch
 from adaptive_eager.spans import span
 from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
 from adaptive_eager.config import Options
+from adaptive_eager.core import hooks
 from adaptive_eager.core.meta import CONJ, NEG, Meta, intern_meta, meta_of
 from adaptive_eager.dispatch.lazy import (
     LazyTensor, ValueUnavailable, materialize, _set_bits, rebind_aliases, resolve_all,
@@ -146,6 +147,9 @@ def _flush_before_handoff(reason: str) -> None:
     eng = _OWNED.engine
     if eng is not None and eng.trace.ops and not eng.busy and not eng.flushing:
         eng.flush(reason)
+
+
+hooks.flush_before_handoff = _flush_before_handoff  # Note [hook slots] in core/hooks.py
 
 
 # Note [grad-mode kernels]

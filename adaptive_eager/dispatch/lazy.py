@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from adaptive_eager.core import hooks
 from adaptive_eager.core.meta import CONJ, NEG, Meta
 
 _DisableDispatch = torch._C._DisableTorchDispatch
@@ -57,11 +58,10 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         # Reached only outside an engine (e.g. a lazy tensor kept after the context closed):
         # run the op eagerly on the real values.
-        from adaptive_eager.dispatch.opspec import spec_for
-
         kwargs = kwargs or {}
         out = func(*resolve_all(args), **{k: resolve_all(v) for k, v in kwargs.items()})
-        return rebind_aliases(spec_for(func).ret_alias, args, out)
+        assert hooks.spec_for is not None  # filled by dispatch/opspec.py at package import
+        return rebind_aliases(hooks.spec_for(func).ret_alias, args, out)
 
     # ---- Python-level reads: flush, then read the real value ------------------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -269,9 +269,8 @@ def _on_values(orig: Any, name: str) -> Any:
                for t in (self, *args, *kwargs.values())):
             raise RuntimeError(f"Can't call {name}() on Variable that requires grad. "
                                f"Use var.detach().{name}() instead.")
-        from adaptive_eager.engine import _flush_before_handoff
-
-        _flush_before_handoff(f"read:{name}")
+        if hooks.flush_before_handoff is not None:  # Note [hook slots] in core/hooks.py
+            hooks.flush_before_handoff(f"read:{name}")
         orig(resolve_all(self), *(resolve_all(a) for a in args),
              **{k: resolve_all(v) for k, v in kwargs.items()})
         return self

@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from adaptive_eager.core import hooks
 from adaptive_eager.core.meta import _METAS, Meta
 from adaptive_eager.dispatch.bounds import in_bounds
 from adaptive_eager.dispatch.lazy import LazyTensor, _set_bits, resolve_all
@@ -131,6 +132,10 @@ class DeferMode(TorchDispatchMode):
         if policy == OUT:  # Note [out= ops] in dispatch/outvariant.py
             return run_out(eng, func, spec, args, kwargs)
         return eng.run_fallback(func, spec, args, kwargs, "fallback")
+
+
+
+hooks.engine_mode = DeferMode  # Note [hook slots] in core/hooks.py
 
 
 # Note [attention without dropout]

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from adaptive_eager.core import hooks
 from adaptive_eager.dispatch.bounds import CHECKS
 
 DEFER, ALLOC, RANDOM, PASSTHROUGH, INPLACE_VIEW, SYNC, FALLBACK, GRAD_MODE, OUT, CHECKED = range(10)
@@ -263,11 +264,9 @@ def _functional_of(op: torch._ops.OpOverload) -> tuple[OpSpec, tuple[str, ...]] 
 
 def _collectives() -> frozenset[str]:
     """Functional collectives deferred into traces (Note [collectives in traces] in
-    distributed.py); the first one classified installs the hooks they need."""
-    from adaptive_eager import distributed
-
-    distributed.install_collective_hooks()
-    return distributed.COLLECTIVES
+    distributed.py; the slot installs the hooks they need); none before the package is
+    imported (Note [hook slots] in core/hooks.py)."""
+    return hooks.collectives() if hooks.collectives is not None else frozenset()
 
 
 # Namespaces whose ops act outside the tensors they are given (communication, runtime state).
@@ -338,3 +337,6 @@ def spec_for(op: torch._ops.OpOverload) -> OpSpec:
         except AttributeError:  # an op object without a __dict__: the dict lookup serves
             pass
     return spec
+
+
+hooks.spec_for = spec_for  # Note [hook slots] in core/hooks.py

@@ -40,6 +40,9 @@ from typing import Any
 
 import torch
 
+from adaptive_eager.core import hooks
+from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
+
 _DisableDispatch = torch._C._DisableTorchDispatch
 _DisableFunction = torch._C.DisableTorchFunction
 _storage = torch._C.TensorBase.untyped_storage  # not torch.Tensor's wrapper (mode.py)
@@ -74,8 +77,6 @@ def note_escape(t: Any, holder: Any = None) -> None:
         return
     if t.layout is not torch.strided or t.device.type == "meta":
         return
-    from adaptive_eager.dispatch.lazy import LazyTensor
-
     if type(t) is LazyTensor:
         t = t._ae_real
         if t is None:
@@ -119,16 +120,13 @@ def escaped(addr: int) -> bool:
 
 def _flush(reason: str) -> None:
     """Run this thread's pending trace first (never from inside the engine's own work)."""
-    from adaptive_eager.engine import _flush_before_handoff
-
-    _flush_before_handoff(reason)
+    if hooks.flush_before_handoff is not None:  # Note [hook slots] in core/hooks.py
+        hooks.flush_before_handoff(reason)
 
 
 def _engine_on_top() -> bool:
-    from adaptive_eager.dispatch.mode import DeferMode
-
     n = torch._C._len_torch_dispatch_stack()
-    return bool(n) and type(torch._C._get_dispatch_stack_at(n - 1)) is DeferMode
+    return bool(n) and type(torch._C._get_dispatch_stack_at(n - 1)) is hooks.engine_mode
 
 
 def _call_now(orig: Any, *args: Any, **kwargs: Any) -> Any:
@@ -141,8 +139,6 @@ def _call_now(orig: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _real(a: Any) -> Any:
-    from adaptive_eager.dispatch.lazy import resolve_all
-
     return resolve_all(a)
 
 
@@ -254,8 +250,6 @@ def _index_values(orig: Any, at: int, names: tuple[str, ...]) -> Any:
     """A composite that reads an index tensor's data in C++ (``tensor_split``'s tensor of
     indices): a pending index is computed first, so C++ reads its value, not a wrapper's absent
     data. Other calls (sections as ints, a real index) pay one type check."""
-    from adaptive_eager.dispatch.lazy import LazyTensor
-
     def call(*args: Any, **kwargs: Any) -> Any:
         if len(args) > at and type(args[at]) is LazyTensor:
             args = (*args[:at], _real(args[at]), *args[at + 1:])
@@ -276,8 +270,6 @@ def _subclassing(orig: Any, at: int) -> Any:
     wrapper: it is made on the real value, below the dispatcher."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        from adaptive_eager.dispatch.lazy import LazyTensor
-
         if len(args) > at and (type(args[at]) is LazyTensor or _engine_on_top()):
             args = (*args[:at], _real(args[at]), *args[at + 1:])
             with _DisableDispatch():
