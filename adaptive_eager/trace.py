@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from adaptive_eager.cache.memory import TRIE, TrieNode
+from adaptive_eager.core.errors import Unsupported
 from adaptive_eager.core.meta import intern_meta, meta_of
 from adaptive_eager.dispatch.lazy import LazyTensor
 from adaptive_eager.dispatch.outside import ESCAPED, escaped
@@ -36,10 +37,6 @@ def slot_marker(i: int) -> Slot:
     while len(SLOTS) <= i:
         SLOTS.append(Slot(len(SLOTS)))
     return SLOTS[i]
-
-
-class Unsupported(Exception):
-    """An op input the engine does not model; the op runs eagerly instead."""
 
 
 class Trace:

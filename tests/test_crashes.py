@@ -112,7 +112,7 @@ def test_lstm_fused_within_tolerance(cache_dir: Path) -> None:
     assert ae.metrics()["fused_errors"] == 0
 
 
-# ---- inference_mode (Note in engine._view_metadata) -------------------------------------------
+# ---- inference_mode (Note in metadata.view_metadata) -----------------------------------------
 
 def test_inference_mode_view_copy_does_not_crash(cache_dir: Path) -> None:
     """Was: a segfault on the second iteration (``to(copy=True)`` of a view of a lazy tensor,

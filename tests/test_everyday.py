@@ -240,7 +240,7 @@ def test_hugging_face_training_and_beam_search_bitwise(name: str) -> None:
 
 
 def test_resize_grows_tensors_made_under_the_engine() -> None:
-    # engine._refresh_wrapper: a grown wrapper takes its value's storage (a clear error before)
+    # metadata.refresh_wrapper: a grown wrapper takes its value's storage (a clear error before)
     def fn() -> Any:
         a = torch.ones(3)  # deferred: a factory op with no tensor argument
         a.resize_(5)

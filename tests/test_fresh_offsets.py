@@ -1,5 +1,5 @@
 """Metadata learnt for ops whose outputs are fresh serve pending inputs at other storage offsets
-(Note [fresh outputs ignore offsets] in engine.py): a Python loop over the time steps of a pending
+(Note [fresh outputs ignore offsets] in metadata.py): a Python loop over the time steps of a pending
 tensor records as one trace after its first pass, results and metadata equal eager's."""
 
 from __future__ import annotations

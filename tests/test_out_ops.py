@@ -174,7 +174,7 @@ def test_out_op_lazy_out_shrunk_follows_eager() -> None:
 
 def test_out_op_lazy_out_grown_follows_eager() -> None:
     """Growing a lazy out beyond the memory it was made with: the wrapper takes its value's
-    reallocated storage (engine._refresh_wrapper); shape and values are eager's (it raised a
+    reallocated storage (metadata.refresh_wrapper); shape and values are eager's (it raised a
     clear error before)."""
     def fn() -> tuple:
         a = torch.randn(8)

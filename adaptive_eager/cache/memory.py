@@ -219,7 +219,7 @@ class MetaCache:
     def __init__(self) -> None:
         self.table: dict[tuple, OutSpec] = {}
         # outputs with storage of their own, by a key without pending inputs' offsets (Note
-        # [fresh outputs ignore offsets] in engine.py)
+        # [fresh outputs ignore offsets] in metadata.py)
         self.fresh: dict[tuple, OutSpec] = {}
 
     def get(self, key: tuple, default: Any = None) -> OutSpec:

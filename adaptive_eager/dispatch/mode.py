@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from adaptive_eager.core import hooks
+from adaptive_eager.core.errors import Unsupported
 from adaptive_eager.core.meta import _METAS, Meta
 from adaptive_eager.dispatch.bounds import in_bounds
 from adaptive_eager.dispatch.lazy import LazyTensor, _set_bits, resolve_all
@@ -36,7 +37,7 @@ from adaptive_eager.engine import (
     GRAD_MODE, Engine, NeedRun, RunNow, _flush_before_handoff, is_user_error, owned_engine,
 )
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import SLOTS, Unsupported
+from adaptive_eager.trace import SLOTS
 
 _DisableDispatch = torch._C._DisableTorchDispatch
 _T = torch.Tensor

@@ -38,9 +38,11 @@ import torch
 from adaptive_eager.core.meta import meta_of
 from adaptive_eager.dispatch.lazy import LazyTensor, resolve_all
 from adaptive_eager.dispatch.opspec import OpSpec, spec_for
-from adaptive_eager.engine import Engine, NeedRun, RunNow, _refresh_wrapper, is_user_error
+from adaptive_eager.core.errors import Unsupported
+from adaptive_eager.engine import Engine, NeedRun, RunNow, is_user_error
+from adaptive_eager.metadata import refresh_wrapper
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import Unsupported, _storage
+from adaptive_eager.trace import _storage
 
 _Tensor = torch.Tensor
 _DisableDispatch = torch._C._DisableTorchDispatch
@@ -112,7 +114,7 @@ def _fallback(eng: Engine, op: Any, spec: OpSpec, args: tuple, kwargs: dict,
             with _DisableFunction():
                 moved = meta_of(o._ae_real) is not o._ae_meta
             if moved:
-                _refresh_wrapper(o)
+                refresh_wrapper(o)
     return out
 
 
