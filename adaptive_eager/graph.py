@@ -285,8 +285,9 @@ def _writes_external(trace: Trace) -> bool:
 # (``p.mul_(0.9)``, ``p.add_(p * 2)``, Adam's update of a weight whose transpose is also an
 # input) is in place and safe; anything else that reaches a write - a view of a member, another
 # member, a flip or gather - is a hazard unless a reduction or a matrix product (which Inductor
-# stores to a buffer of its own first) stands between. Traces whose groups are only read are
-# untouched.
+# stores to a buffer of its own first) stands between, or an op that reads no values
+# (``zeros_like(p)``, ``p.new_empty``: Adam's moments made inside a fused first step). Traces
+# whose groups are only read are untouched.
 _STORES_FIRST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot",
                            "convolution", "_convolution", "cudnn_convolution",
                            "mkldnn_convolution", "_scaled_dot_product_flash_attention_for_cpu"})
@@ -344,8 +345,9 @@ def _shared_write_hazard(trace: Trace, groups: list[list[int]]) -> str | None:
         if slots is None:
             continue
         name = op.__name__.split(".")[0] if hasattr(op, "__name__") else ""
-        if torch.Tag.reduction in getattr(op, "tags", ()) or name in _STORES_FIRST:
-            continue
+        if (torch.Tag.reduction in getattr(op, "tags", ()) or name in _STORES_FIRST
+                or name.endswith("_like") or name.startswith("new_")):
+            continue  # stored to a buffer first, or reads no values (zeros_like(p): Adam's state)
         merged: dict[int, set[tuple[tuple[str, int], bool]]] = {}
         for a in (x for part in (*args, *kwargs.values()) for x in _flat(part)):
             for g, entries in of(a).items():
