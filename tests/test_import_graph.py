@@ -50,3 +50,17 @@ def test_the_checker_finds_circles_and_function_imports(import_graph: ModuleType
     graph = import_graph.build(pkg)
     assert graph.circles() == [["pkg.a", "pkg.b", "pkg.sub.c"]]
     assert graph.local_count() == 1 and graph.local["pkg.sub.c"] == {"pkg.a"}
+
+
+def test_every_hook_slot_is_filled_once_the_package_is_imported() -> None:
+    """Note [hook slots]: the modules that fill them are imported by the package itself, so a
+    lower module never finds a slot empty (a numpy view of a lazy tensor would then not flush)."""
+    import torch
+
+    import adaptive_eager  # noqa: F401
+    from adaptive_eager.core import hooks
+
+    names = ("flush_before_handoff", "spec_for", "engine_mode", "collectives")
+    assert all(getattr(hooks, n) is not None for n in names), {
+        n: getattr(hooks, n) for n in names}
+    assert hooks.spec_for(torch.ops.aten.add.Tensor).name == "aten.add.Tensor"
