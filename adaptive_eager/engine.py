@@ -21,11 +21,11 @@ from adaptive_eager.cache.memory import META_CACHE, TRIE, TraceEntry
 from adaptive_eager.config import Options
 from adaptive_eager.core import hooks
 from adaptive_eager.core.errors import Unsupported
-from adaptive_eager.core.meta import CONJ, NEG, Meta, intern_meta, meta_of
+from adaptive_eager.core.meta import Meta
 from adaptive_eager.dispatch.lazy import (
     LazyTensor, ValueUnavailable, materialize, _set_bits, rebind_aliases, resolve_all,
 )
-from adaptive_eager.dispatch.opspec import GRAD_MODE, INPLACE_VIEW, RANDOM, OpSpec
+from adaptive_eager.dispatch.opspec import INPLACE_VIEW, RANDOM, OpSpec
 from adaptive_eager.explain import explain_miss, note_flush_site, user_frame
 from adaptive_eager.compiler import manager_for, run_size
 from adaptive_eager.execute import live_slots, poison, publish, replay
@@ -36,7 +36,7 @@ from adaptive_eager.metadata import (
     view_metadata, written_layouts,
 )
 from adaptive_eager.metrics import METRICS as M
-from adaptive_eager.trace import SLOTS, Trace, _storage, loop_period, slot_marker
+from adaptive_eager.trace import SLOTS, Trace, loop_period, slot_marker
 from adaptive_eager.shapes import configure as configure_shapes
 from adaptive_eager.shapes import note_hit as sym_note_hit, predict as sym_predict
 from adaptive_eager.shapes import replay_checked, step as sym_step
@@ -671,7 +671,9 @@ class Engine:
         rkwargs = {k: resolve_all(v) for k, v in kwargs.items()} if kwargs else {}
         user_op = learn is not None and getattr(op, "namespace", "aten") != "aten"
         rng = torch.get_rng_state() if user_op else None
-        before = written_layouts(spec, rargs) if spec.writes else None
+        # Note [in-place ops that resize]; ``t_``-like ops refresh in run_inplace_view
+        before = (written_layouts(spec, rargs)
+                  if spec.writes and spec.policy != INPLACE_VIEW else None)
         with _DisableFunction():
             out = op(*rargs, **rkwargs)
             if before is not None and before != written_layouts(spec, rargs):

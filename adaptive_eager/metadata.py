@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from adaptive_eager.core.errors import Unsupported
-from adaptive_eager.core.meta import CONJ, NEG, Meta, intern_meta, meta_of
+from adaptive_eager.core.meta import CONJ, NEG, intern_meta, meta_of
 from adaptive_eager.dispatch.lazy import LazyTensor
 from adaptive_eager.dispatch.opspec import GRAD_MODE, INPLACE_VIEW, OpSpec
 
@@ -134,8 +134,7 @@ EAGER_ONLY = "eager-only"  # metadata-cache value: outputs a lazy tensor cannot 
 # ops without a fake impl) is checked the same way, so a wrapper never keeps a stale shape. Ops
 # in torch's OpInfo database that do this: addbmm_ alone.
 def resizes_what_it_writes(spec: OpSpec, args: tuple) -> None:
-    if spec.policy != INPLACE_VIEW:
-        spec.policy, spec.reason = INPLACE_VIEW, "resizes the tensor it writes in place"
+    spec.policy, spec.reason = INPLACE_VIEW, "resizes the tensor it writes in place"
     for i in spec.writes or ():
         a = args[i] if type(i) is int and i < len(args) else None
         if type(a) is LazyTensor and a._ae_real is not None:

@@ -28,13 +28,13 @@ from adaptive_eager.core.meta import _METAS, Meta
 from adaptive_eager.dispatch.bounds import in_bounds
 from adaptive_eager.dispatch.lazy import LazyTensor, _set_bits, resolve_all
 from adaptive_eager.dispatch.opspec import (
-    ALLOC, CHECKED, DEFER, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
+    ALLOC, CHECKED, DEFER, GRAD_MODE, INPLACE_VIEW, OUT, PASSTHROUGH, RANDOM, SYNC, spec_for,
 )
 from adaptive_eager.dispatch.outside import install as _install_outside, note_escape
 from adaptive_eager.dispatch.outvariant import run_out
 from adaptive_eager.dispatch.regions import active_engine
 from adaptive_eager.engine import (
-    GRAD_MODE, Engine, NeedRun, RunNow, _flush_before_handoff, is_user_error, owned_engine,
+    Engine, NeedRun, RunNow, _flush_before_handoff, is_user_error, owned_engine,
 )
 from adaptive_eager.metrics import METRICS as M
 from adaptive_eager.trace import SLOTS

@@ -138,10 +138,6 @@ def _call_now(orig: Any, *args: Any, **kwargs: Any) -> Any:
     return orig(*args, **kwargs)
 
 
-def _real(a: Any) -> Any:
-    return resolve_all(a)
-
-
 def _mark(wrapper: Any) -> Any:
     wrapper._ae_hook = True
     return wrapper
@@ -222,7 +218,7 @@ def _to_dlpack(orig: Any) -> Any:
     @functools.wraps(orig)
     def to_dlpack(tensor: Any, *args: Any, **kwargs: Any) -> Any:
         _flush("read:to_dlpack")
-        tensor = _real(tensor)
+        tensor = resolve_all(tensor)
         out = orig(tensor, *args, **kwargs)
         note_escape(tensor)  # a capsule has no weak references: the storage's life
         return out
@@ -240,7 +236,7 @@ def _on_values(name: str, orig: Any) -> Any:
     @functools.wraps(orig)
     def call(*args: Any, **kwargs: Any) -> Any:
         _flush(f"read:{name}")
-        args, kwargs = _real(args), {k: _real(v) for k, v in kwargs.items()}
+        args, kwargs = resolve_all(args), {k: resolve_all(v) for k, v in kwargs.items()}
         return _call_now(orig, *args, **kwargs)
 
     return _mark(call)
@@ -252,11 +248,11 @@ def _index_values(orig: Any, at: int, names: tuple[str, ...]) -> Any:
     data. Other calls (sections as ints, a real index) pay one type check."""
     def call(*args: Any, **kwargs: Any) -> Any:
         if len(args) > at and type(args[at]) is LazyTensor:
-            args = (*args[:at], _real(args[at]), *args[at + 1:])
+            args = (*args[:at], resolve_all(args[at]), *args[at + 1:])
         elif kwargs:
             for name in names:
                 if type(kwargs.get(name)) is LazyTensor:
-                    kwargs = {**kwargs, name: _real(kwargs[name])}
+                    kwargs = {**kwargs, name: resolve_all(kwargs[name])}
         return orig(*args, **kwargs)
 
     functools.update_wrapper(call, orig)
@@ -271,7 +267,7 @@ def _subclassing(orig: Any, at: int) -> Any:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if len(args) > at and (type(args[at]) is LazyTensor or _engine_on_top()):
-            args = (*args[:at], _real(args[at]), *args[at + 1:])
+            args = (*args[:at], resolve_all(args[at]), *args[at + 1:])
             with _DisableDispatch():
                 return orig(*args, **kwargs)
         return orig(*args, **kwargs)
@@ -301,7 +297,7 @@ def _cuda_array_interface(prop: property) -> property:
 
     def get(self: Any) -> Any:
         _flush("read:__cuda_array_interface__")
-        real = _real(self)
+        real = resolve_all(self)
         out = prop.fget(real)  # type: ignore[misc]
         note_escape(real)
         return out
